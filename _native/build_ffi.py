@@ -1,0 +1,36 @@
+"""cffi build (API mode) of aiohixl's native layer: ``aiohixl._hixl``.
+
+The cdef is the block of hixl.h between the CDEF markers, so the header is
+the single statement of the native interface.
+"""
+import os
+import re
+
+from cffi import FFI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = ["core.c", "loopback.c"]
+
+
+def _cdef() -> str:
+    with open(os.path.join(HERE, "hixl.h")) as f:
+        text = f.read()
+    block = re.search(r"/\* CDEF-BEGIN \*/(.*)/\* CDEF-END \*/", text, re.S).group(1)
+    # cffi's parser takes no comments and wants enum values it can read.
+    return re.sub(r"/\*.*?\*/", "", block, flags=re.S)
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(_cdef())
+ffibuilder.set_source(
+    "aiohixl._hixl",
+    '#include "hixl.h"',
+    sources=[os.path.relpath(os.path.join(HERE, s)) for s in SOURCES],
+    include_dirs=[os.path.relpath(HERE)],
+    # Portable code only: the Soft-RoCE VM and users' CPUs may lack AVX-512.
+    extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11"],
+    libraries=["pthread"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

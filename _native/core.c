@@ -1,0 +1,389 @@
+/* The agent: region registry, completion ring with its wake fd, copy pool. */
+#include "internal.h"
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <sys/eventfd.h>
+
+/* ---------- registry ---------- */
+
+static hx_region **bucket_of(hx_agent *a, uint32_t id)
+{
+    return &a->buckets[id % HX_REGION_BUCKETS];
+}
+
+static hx_region *find_region(hx_agent *a, uint32_t id)
+{
+    for (hx_region *r = *bucket_of(a, id); r; r = r->next)
+        if (r->id == id)
+            return r;
+    return NULL;
+}
+
+int hx_region_add(hx_agent *a, uint32_t id, uint64_t addr, uint64_t len, uint32_t access)
+{
+    if (addr == 0 && len != 0)
+        return HX_E_INVAL;
+    if (addr + len < addr)
+        return HX_E_INVAL;
+    hx_region *r = calloc(1, sizeof *r);
+    if (!r)
+        return HX_E_NOMEM;
+    r->id = id;
+    r->access = access;
+    r->base = (uint8_t *)(uintptr_t)addr;
+    r->len = len;
+    pthread_mutex_lock(&a->lock);
+    if (find_region(a, id)) {
+        pthread_mutex_unlock(&a->lock);
+        free(r);
+        return HX_E_INVAL;
+    }
+    hx_region **b = bucket_of(a, id);
+    r->next = *b;
+    *b = r;
+    pthread_mutex_unlock(&a->lock);
+    return HX_OK;
+}
+
+static void unlink_region(hx_agent *a, hx_region *r)
+{
+    for (hx_region **pp = bucket_of(a, r->id); *pp; pp = &(*pp)->next)
+        if (*pp == r) {
+            *pp = r->next;
+            return;
+        }
+}
+
+int hx_region_remove(hx_agent *a, uint32_t id, int wait)
+{
+    pthread_mutex_lock(&a->lock);
+    hx_region *r = find_region(a, id);
+    if (!r) {
+        pthread_mutex_unlock(&a->lock);
+        return HX_E_NOREGION;
+    }
+    r->removed = true;
+    while (r->busy && wait)
+        pthread_cond_wait(&a->region_idle, &a->lock);
+    if (r->busy) {
+        pthread_mutex_unlock(&a->lock);
+        return HX_E_BUSY;
+    }
+    unlink_region(a, r);
+    pthread_mutex_unlock(&a->lock);
+    free(r);
+    return HX_OK;
+}
+
+static int check_locked(hx_region *r, uint64_t off, uint64_t len, uint32_t need)
+{
+    if (!r || r->removed)
+        return HX_E_NOREGION;
+    if ((r->access & need) != need)
+        return HX_E_ACCESS;
+    if (off > r->len || len > r->len - off)
+        return HX_E_BOUNDS;
+    return HX_OK;
+}
+
+int hx_region_check(hx_agent *a, uint32_t id, uint64_t off, uint64_t len, uint32_t need)
+{
+    pthread_mutex_lock(&a->lock);
+    int rc = check_locked(find_region(a, id), off, len, need);
+    pthread_mutex_unlock(&a->lock);
+    return rc;
+}
+
+int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len,
+                      uint32_t need, uint8_t **ptr, hx_region **out)
+{
+    pthread_mutex_lock(&a->lock);
+    hx_region *r = find_region(a, id);
+    int rc = check_locked(r, off, len, need);
+    if (rc == HX_OK) {
+        r->busy++;
+        *ptr = r->base + off;
+        *out = r;
+    }
+    pthread_mutex_unlock(&a->lock);
+    return rc;
+}
+
+void hx_region_release(hx_agent *a, hx_region *r)
+{
+    pthread_mutex_lock(&a->lock);
+    if (--r->busy == 0 && r->removed)
+        pthread_cond_broadcast(&a->region_idle);
+    pthread_mutex_unlock(&a->lock);
+}
+
+/* ---------- completion ring ---------- */
+
+void hx_complete(hx_agent *a, uint64_t op_id, int status)
+{
+    pthread_mutex_lock(&a->ring_lock);
+    /* Never drop a completion: the Python side admits at most ring_cap ops,
+     * so this wait is a safety net, not a path. */
+    while (a->ring_count == a->ring_cap)
+        pthread_cond_wait(&a->ring_space, &a->ring_lock);
+    uint32_t tail = (a->ring_head + a->ring_count) % a->ring_cap;
+    a->ring[tail].op_id = op_id;
+    a->ring[tail].status = status;
+    a->ring_count++;
+    bool wake = !a->signaled;
+    a->signaled = true;
+    pthread_mutex_unlock(&a->ring_lock);
+    if (wake) {
+        /* One write per batch: the reader takes everything queued meanwhile. */
+        uint64_t one = 1;
+        ssize_t n = write(a->wake_fd, &one, sizeof one);
+        (void)n;
+    }
+}
+
+int hx_agent_drain(hx_agent *a, hx_completion *out, int max)
+{
+    uint64_t v;
+    /* Clear the fd before taking: a push after this point re-arms it. */
+    ssize_t n = read(a->wake_fd, &v, sizeof v);
+    (void)n;
+    pthread_mutex_lock(&a->ring_lock);
+    int taken = 0;
+    while (taken < max && a->ring_count) {
+        out[taken++] = a->ring[a->ring_head];
+        a->ring_head = (a->ring_head + 1) % a->ring_cap;
+        a->ring_count--;
+    }
+    if (a->ring_count == 0)
+        a->signaled = false;
+    else {
+        /* More than max were waiting: keep the fd readable. */
+        uint64_t one = 1;
+        n = write(a->wake_fd, &one, sizeof one);
+    }
+    pthread_cond_broadcast(&a->ring_space);
+    pthread_mutex_unlock(&a->ring_lock);
+    return taken;
+}
+
+int hx_agent_wake_fd(hx_agent *a)
+{
+    return a->wake_fd;
+}
+
+/* ---------- copy pool ---------- */
+
+void hx_job_release(hx_agent *a, hx_job *job)
+{
+    for (uint32_t i = 0; i < job->nregions; i++)
+        hx_region_release(a, job->regions[i]);
+    /* Regions are released before the completion is seen, so a region close
+     * that waits on the completion never waits on a still-busy region. */
+    hx_complete(a, job->op_id, atomic_load(&job->status));
+    free(job);
+}
+
+static void finish_task(hx_agent *a, hx_task *t, int status)
+{
+    hx_job *job = t->job;
+    if (status != HX_OK)
+        atomic_store(&job->status, status);
+    free(t);
+    if (atomic_fetch_sub(&job->remaining, 1) == 1)
+        hx_job_release(a, job);
+}
+
+static void *pool_main(void *arg)
+{
+    hx_agent *a = arg;
+    pthread_mutex_lock(&a->pool_lock);
+    for (;;) {
+        while (!a->task_head && !a->closing)
+            pthread_cond_wait(&a->pool_work, &a->pool_lock);
+        hx_task *t = a->task_head;
+        if (!t)
+            break; /* closing and nothing queued */
+        a->task_head = t->next;
+        if (!a->task_head)
+            a->task_tail = NULL;
+        bool closing = a->closing;
+        pthread_mutex_unlock(&a->pool_lock);
+        if (closing)
+            finish_task(a, t, HX_E_CLOSED);
+        else {
+            memcpy(t->dst, t->src, t->len);
+            finish_task(a, t, HX_OK);
+        }
+        pthread_mutex_lock(&a->pool_lock);
+    }
+    pthread_mutex_unlock(&a->pool_lock);
+    return NULL;
+}
+
+void hx_pool_submit(hx_agent *a, hx_job *job, hx_task *first, hx_task *last)
+{
+    pthread_mutex_lock(&a->pool_lock);
+    if (a->task_tail)
+        a->task_tail->next = first;
+    else
+        a->task_head = first;
+    a->task_tail = last;
+    pthread_cond_broadcast(&a->pool_work);
+    pthread_mutex_unlock(&a->pool_lock);
+    (void)job;
+}
+
+void hx_pool_fail_peer(hx_agent *a, uint64_t peer_id)
+{
+    hx_task *failed = NULL;
+    pthread_mutex_lock(&a->pool_lock);
+    hx_task **pp = &a->task_head;
+    a->task_tail = NULL;
+    while (*pp) {
+        hx_task *t = *pp;
+        if (t->job->peer_id == peer_id) {
+            *pp = t->next;
+            t->next = failed;
+            failed = t;
+        } else {
+            a->task_tail = t;
+            pp = &t->next;
+        }
+    }
+    pthread_mutex_unlock(&a->pool_lock);
+    while (failed) {
+        hx_task *next = failed->next;
+        finish_task(a, failed, HX_E_CLOSED);
+        failed = next;
+    }
+}
+
+/* ---------- agent ---------- */
+
+hx_agent *hx_agent_new(uint32_t ring_capacity, uint32_t copy_threads, int *status)
+{
+    *status = HX_E_INVAL;
+    if (ring_capacity == 0 || copy_threads == 0 || copy_threads > 64)
+        return NULL;
+    *status = HX_E_NOMEM;
+    hx_agent *a = calloc(1, sizeof *a);
+    if (!a)
+        return NULL;
+    a->ring = calloc(ring_capacity, sizeof *a->ring);
+    a->threads = calloc(copy_threads, sizeof *a->threads);
+    if (!a->ring || !a->threads)
+        goto fail;
+    a->ring_cap = ring_capacity;
+    a->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (a->wake_fd < 0) {
+        *status = HX_E_SYS;
+        goto fail;
+    }
+    pthread_mutex_init(&a->lock, NULL);
+    pthread_cond_init(&a->region_idle, NULL);
+    pthread_mutex_init(&a->ring_lock, NULL);
+    pthread_cond_init(&a->ring_space, NULL);
+    pthread_mutex_init(&a->pool_lock, NULL);
+    pthread_cond_init(&a->pool_work, NULL);
+    atomic_init(&a->next_peer_id, 1);
+    for (uint32_t i = 0; i < copy_threads; i++) {
+        if (pthread_create(&a->threads[i], NULL, pool_main, a) != 0) {
+            *status = HX_E_SYS;
+            a->nthreads = i;
+            hx_agent_shutdown(a);
+            hx_agent_free(a);
+            return NULL;
+        }
+    }
+    a->nthreads = copy_threads;
+    *status = HX_OK;
+    return a;
+fail:
+    free(a->ring);
+    free(a->threads);
+    free(a);
+    return NULL;
+}
+
+void hx_agent_shutdown(hx_agent *a)
+{
+    pthread_mutex_lock(&a->pool_lock);
+    bool already = a->closing;
+    a->closing = true;
+    pthread_cond_broadcast(&a->pool_work);
+    pthread_mutex_unlock(&a->pool_lock);
+    if (already)
+        return;
+    for (uint32_t i = 0; i < a->nthreads; i++)
+        pthread_join(a->threads[i], NULL);
+    a->nthreads = 0;
+}
+
+void hx_agent_free(hx_agent *a)
+{
+    if (!a)
+        return;
+    hx_agent_shutdown(a);
+    for (int i = 0; i < HX_REGION_BUCKETS; i++) {
+        hx_region *r = a->buckets[i];
+        while (r) {
+            hx_region *next = r->next;
+            free(r);
+            r = next;
+        }
+    }
+    close(a->wake_fd);
+    free(a->ring);
+    free(a->threads);
+    free(a);
+}
+
+void hx_prefault(void *addr, uint64_t len, int write)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    volatile uint8_t *p = addr;
+    for (uint64_t off = 0; off < len; off += (uint64_t)page) {
+        if (write)
+            p[off] = p[off]; /* a read-modify-write keeps the contents */
+        else
+            (void)p[off];
+    }
+}
+
+/* ---------- peers ---------- */
+
+void hx_peer_init(hx_peer *p, hx_agent *a, const hx_peer_ops *ops)
+{
+    p->ops = ops;
+    p->agent = a;
+    p->id = atomic_fetch_add(&a->next_peer_id, 1);
+    atomic_init(&p->closed, false);
+}
+
+int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n)
+{
+    if (atomic_load(&p->closed))
+        return HX_E_CLOSED;
+    if (opcode != HX_OP_PUT && opcode != HX_OP_GET)
+        return HX_E_INVAL;
+    if (n == 0)
+        return HX_E_INVAL;
+    return p->ops->post(p, opcode, op_id, sges, n);
+}
+
+void hx_peer_close(hx_peer *p)
+{
+    if (atomic_exchange(&p->closed, true))
+        return;
+    p->ops->close(p);
+}
+
+void hx_peer_free(hx_peer *p)
+{
+    if (!p)
+        return;
+    hx_peer_close(p);
+    p->ops->destroy(p);
+}

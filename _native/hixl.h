@@ -1,0 +1,76 @@
+/* The native interface of aiohixl, as cffi sees it (build_ffi.py reads the
+ * block between the CDEF markers). Every handle is opaque; every call is
+ * made with the GIL released, so each one does its own locking. */
+#ifndef AIOHIXL_HIXL_H
+#define AIOHIXL_HIXL_H
+#include <stdint.h>
+#include <stddef.h>
+
+/* CDEF-BEGIN */
+typedef struct hx_agent hx_agent;
+typedef struct hx_peer hx_peer;
+
+/* Status codes shared by every call and every completion. */
+enum {
+    HX_OK = 0,
+    HX_E_BOUNDS = -1,      /* range outside the region */
+    HX_E_ACCESS = -2,      /* region lacks the right needed */
+    HX_E_NOREGION = -3,    /* no such region (never was, or closed) */
+    HX_E_CLOSED = -4,      /* agent or peer closed locally */
+    HX_E_CONNLOST = -5,    /* the connection to the peer broke */
+    HX_E_PROTO = -6,       /* malformed frame from the peer */
+    HX_E_NOMEM = -7,
+    HX_E_BUSY = -8,        /* region still in use (non-blocking remove) */
+    HX_E_INVAL = -9,       /* bad argument */
+    HX_E_SYS = -10,        /* a system call failed; errno tells */
+    HX_E_REMOTE = -11      /* the target refused for a reason of its own */
+};
+
+enum { HX_ACCESS_REMOTE_WRITE = 1, HX_ACCESS_REMOTE_READ = 2 };
+enum { HX_OP_PUT = 1, HX_OP_GET = 2 };
+/* hx_peer_post: the op finished inline, no completion will follow. */
+enum { HX_POSTED = 0, HX_DONE_INLINE = 1 };
+
+typedef struct {
+    uint64_t op_id;
+    int32_t status;
+    uint32_t reserved;
+} hx_completion;
+
+/* One contiguous piece of an op: local region + offset <-> remote region + offset. */
+typedef struct {
+    uint32_t local_region;
+    uint32_t remote_region;
+    uint64_t local_off;
+    uint64_t remote_off;
+    uint64_t len;
+} hx_sge;
+
+hx_agent *hx_agent_new(uint32_t ring_capacity, uint32_t copy_threads, int *status);
+int hx_agent_wake_fd(hx_agent *a);
+/* Takes up to max completions; returns how many. Clears the wake fd first. */
+int hx_agent_drain(hx_agent *a, hx_completion *out, int max);
+/* Stops accepting work, fails queued work with HX_E_CLOSED, waits for work
+ * already touching memory, joins native threads. Safe to call twice. */
+void hx_agent_shutdown(hx_agent *a);
+void hx_agent_free(hx_agent *a);
+
+int hx_region_add(hx_agent *a, uint32_t id, uint64_t addr, uint64_t len, uint32_t access);
+/* Withdraws a region: no new access starts; with wait != 0 blocks until the
+ * accesses in progress end, else returns HX_E_BUSY while any is in progress
+ * (the region stays withdrawn either way). */
+int hx_region_remove(hx_agent *a, uint32_t id, int wait);
+/* May a remote op touch [off, off+len) of region id with this right? */
+int hx_region_check(hx_agent *a, uint32_t id, uint64_t off, uint64_t len, uint32_t access);
+
+hx_peer *hx_loopback_new(hx_agent *a, int *status);
+int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n);
+/* Fails the peer's queued ops with HX_E_CLOSED; ops already copying finish. */
+void hx_peer_close(hx_peer *p);
+void hx_peer_free(hx_peer *p);
+
+/* Touches every page so later copies do not pay page faults. */
+void hx_prefault(void *addr, uint64_t len, int write);
+/* CDEF-END */
+
+#endif

@@ -1,0 +1,31 @@
+"""aiohixl: one-sided, zero-copy put/get between processes and hosts, for asyncio and trio."""
+
+from .agent import Agent
+from .errors import (
+    AccessDenied,
+    AuthenticationError,
+    ClosedError,
+    ConnectionLost,
+    HixlError,
+    InvalidArgument,
+    InvalidDescriptor,
+    LengthMismatch,
+    OutOfBounds,
+    ProtocolError,
+    RegionUnavailable,
+    TransferError,
+    TransferTimeout,
+    UnsupportedMemory,
+)
+from .memory import Access, Region, RegionSlice
+from .peer import Peer
+from .remote import RemoteRegion, RemoteSlice
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Agent", "Access", "Region", "RegionSlice", "RemoteRegion", "RemoteSlice", "Peer",
+    "HixlError", "InvalidArgument", "UnsupportedMemory", "LengthMismatch", "OutOfBounds",
+    "InvalidDescriptor", "AccessDenied", "ClosedError", "RegionUnavailable", "ConnectionLost",
+    "AuthenticationError", "ProtocolError", "TransferError", "TransferTimeout", "__version__",
+]

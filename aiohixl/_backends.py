@@ -1,0 +1,116 @@
+"""Event-loop glue: watching the agent's wake fd and the waiters ops resolve.
+
+One thin class per async library, chosen with sniffio. asyncio gets plain
+futures and ``add_reader``; trio gets one system task blocked on the fd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+import sniffio
+
+__all__ = ["Backend", "current_backend"]
+
+
+class Backend:
+    name: str
+
+    def watch(self, fd: int, on_readable: Callable[[], None]) -> None: ...
+    def unwatch(self, fd: int) -> None: ...
+    def new_waiter(self) -> Any: ...
+    def resolve(self, waiter: Any, exc: BaseException | None) -> None: ...
+    async def wait(self, waiter: Any) -> None: ...
+
+
+class AsyncioBackend(Backend):
+    name = "asyncio"
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+
+    def watch(self, fd: int, on_readable: Callable[[], None]) -> None:
+        self.loop.add_reader(fd, on_readable)
+
+    def unwatch(self, fd: int) -> None:
+        if not self.loop.is_closed():
+            self.loop.remove_reader(fd)
+
+    def new_waiter(self) -> asyncio.Future:
+        return self.loop.create_future()
+
+    def resolve(self, waiter: asyncio.Future, exc: BaseException | None) -> None:
+        if waiter.done():  # the awaiting task was cancelled
+            return
+        if exc is None:
+            waiter.set_result(None)
+        else:
+            waiter.set_exception(exc)
+
+    async def wait(self, waiter: asyncio.Future) -> None:
+        await waiter
+
+
+class _TrioWaiter:
+    __slots__ = ("event", "exc")
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+        self.exc: BaseException | None = None
+
+
+class TrioBackend(Backend):
+    name = "trio"
+
+    def __init__(self) -> None:
+        import trio
+
+        self.trio = trio
+        self._scope: Any = None
+
+    def watch(self, fd: int, on_readable: Callable[[], None]) -> None:
+        trio = self.trio
+        self._scope = trio.CancelScope()
+
+        async def pump() -> None:
+            with self._scope:
+                while True:
+                    try:
+                        await trio.lowlevel.wait_readable(fd)
+                    except trio.ClosedResourceError:
+                        return
+                    on_readable()
+
+        # A system task needs no nursery from the user and lives with the run.
+        trio.lowlevel.spawn_system_task(pump, name="aiohixl-completions")
+
+    def unwatch(self, fd: int) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+            try:
+                self.trio.lowlevel.notify_closing(fd)
+            except RuntimeError:
+                pass  # not inside trio any more
+
+    def new_waiter(self) -> _TrioWaiter:
+        return _TrioWaiter(self.trio.Event())
+
+    def resolve(self, waiter: _TrioWaiter, exc: BaseException | None) -> None:
+        if not waiter.event.is_set():
+            waiter.exc = exc
+            waiter.event.set()
+
+    async def wait(self, waiter: _TrioWaiter) -> None:
+        await waiter.event.wait()
+        if waiter.exc is not None:
+            raise waiter.exc
+
+
+def current_backend() -> Backend:
+    library = sniffio.current_async_library()
+    if library == "asyncio":
+        return AsyncioBackend()
+    if library == "trio":
+        return TrioBackend()
+    raise RuntimeError(f"aiohixl runs on asyncio or trio, not {library}")

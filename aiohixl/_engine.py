@@ -1,0 +1,153 @@
+"""The completion engine: posts native ops and resolves their waiters.
+
+Native threads push completions into the agent's ring and write its wake fd
+once per batch; the event loop reads the fd and drains the ring here. Every
+posted op stays in ``_ops`` with the objects it touches until its completion
+arrives, whatever happened to the task that awaited it: that is what keeps
+memory in flight alive.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import anyio
+
+from ._backends import Backend, current_backend
+from ._native import check, ffi, lib, status_error
+from .errors import ClosedError, TransferTimeout
+
+__all__ = ["Engine"]
+
+_DRAIN_BATCH = 4096
+
+
+class _Op:
+    __slots__ = ("waiter", "keep", "what", "on_done")
+
+    def __init__(self, waiter: Any, keep: tuple, what: str, on_done: Callable[[], None] | None):
+        self.waiter = waiter
+        self.keep = keep  # regions (and their buffers) the native side touches
+        self.what = what
+        self.on_done = on_done
+
+
+class Engine:
+    def __init__(self, ring_capacity: int, copy_threads: int) -> None:
+        status = ffi.new("int *")
+        native = lib.hx_agent_new(ring_capacity, copy_threads, status)
+        if native == ffi.NULL:
+            check(status[0], "Agent()")
+        self.native = native
+        self.capacity = ring_capacity
+        self.fd = lib.hx_agent_wake_fd(native)
+        self.backend: Backend | None = None
+        self._ops: dict[int, _Op] = {}
+        self._next_id = 1
+        self._batch = ffi.new("hx_completion[]", _DRAIN_BATCH)
+        self._slot_waiters: list[Any] = []
+        self.completed = 0  # ops whose completion arrived, awaited or not
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._ops)
+
+    def attach(self) -> Backend:
+        """Bind to the running event loop (once; later calls return the same backend)."""
+        if self.backend is None:
+            self.backend = current_backend()
+            self.backend.watch(self.fd, self.drain)
+        return self.backend
+
+    async def admit(self) -> None:
+        """Wait for room in the completion ring: completions are never dropped."""
+        backend = self.attach()
+        while len(self._ops) >= self.capacity:
+            waiter = backend.new_waiter()
+            self._slot_waiters.append(waiter)
+            await backend.wait(waiter)
+
+    def post(
+        self, peer: Any, opcode: int, sges: Any, n: int, keep: tuple, what: str,
+        on_done: Callable[[], None] | None = None,
+    ) -> Any:
+        """Post an op; returns its waiter, or None when it finished inline."""
+        op_id = self._next_id
+        self._next_id += 1
+        rc = lib.hx_peer_post(peer, opcode, op_id, sges, n)
+        if rc == lib.HX_DONE_INLINE:
+            self.completed += 1
+            if on_done is not None:
+                on_done()
+            return None
+        if rc < 0:
+            if on_done is not None:
+                on_done()
+            raise status_error(rc, what)
+        waiter = self.backend.new_waiter()
+        self._ops[op_id] = _Op(waiter, keep, what, on_done)
+        return waiter
+
+    async def wait(self, waiter: Any, timeout: float | None, what: str) -> None:
+        if timeout is None:
+            await self.backend.wait(waiter)
+            return
+        try:
+            with anyio.fail_after(timeout):
+                await self.backend.wait(waiter)
+        except TimeoutError:
+            raise TransferTimeout(
+                f"{what}: no completion within {timeout} s; the op may still complete"
+            ) from None
+
+    def drain(self) -> None:
+        batch = self._batch
+        backend = self.backend
+        while True:
+            n = lib.hx_agent_drain(self.native, batch, _DRAIN_BATCH)
+            for i in range(n):
+                c = batch[i]
+                op = self._ops.pop(c.op_id, None)
+                if op is None:
+                    continue
+                self.completed += 1
+                if op.on_done is not None:
+                    op.on_done()
+                status = c.status
+                backend.resolve(op.waiter, None if status == 0 else status_error(status, op.what))
+            if n < _DRAIN_BATCH:
+                break
+        if self._slot_waiters and len(self._ops) < self.capacity:
+            waiters, self._slot_waiters = self._slot_waiters, []
+            for w in waiters:
+                backend.resolve(w, None)
+
+    async def shutdown(self) -> None:
+        """Stop native work (queued ops fail as closed), then resolve every op."""
+        await anyio.to_thread.run_sync(lib.hx_agent_shutdown, self.native)
+        if self.backend is not None:
+            self.drain()
+        for op_id, op in list(self._ops.items()):
+            # Native shutdown completed everything; this is a last guard.
+            self._ops.pop(op_id)
+            if op.on_done is not None:
+                op.on_done()
+            if self.backend is not None:
+                self.backend.resolve(op.waiter, ClosedError(f"{op.what}: agent closed"))
+        for w in self._slot_waiters:
+            self.backend.resolve(w, ClosedError("agent closed while waiting to post"))
+        self._slot_waiters = []
+
+    def free(self) -> None:
+        if self.native is None:
+            return
+        if self.backend is not None:
+            self.backend.unwatch(self.fd)
+        lib.hx_agent_free(self.native)
+        self.native = None
+
+    def __del__(self) -> None:
+        # Joins native threads before the buffers in _ops can be released.
+        if getattr(self, "native", None) is not None:
+            lib.hx_agent_free(self.native)
+            self.native = None

@@ -1,0 +1,222 @@
+"""The agent: registered memory, peers, and the native engine behind them."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import anyio
+
+from ._engine import Engine
+from ._native import check, ffi, lib
+from .descriptor import RegionInfo
+from .errors import ClosedError, InvalidArgument, RegionUnavailable
+from .memory import Access, Region, allocate_shared, pin
+from .peer import Peer
+from .remote import RemoteRegion
+
+__all__ = ["Agent"]
+
+_TRANSPORTS = ("loopback",)
+
+
+class Agent:
+    """One endpoint of aiohixl: owns registered memory and the peers ops go through.
+
+    Use it as ``async with Agent() as agent:`` or call ``await agent.aclose()``.
+
+    ``max_inflight`` bounds the ops outstanding at once (the completion ring's
+    size); a call beyond it waits for room. ``copy_threads`` is the number of
+    native threads that run large copies.
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        transports: str | tuple[str, ...] = "auto",
+        max_inflight: int = 65536,
+        copy_threads: int = 1,
+    ) -> None:
+        if transports != "auto":
+            unknown = [t for t in transports if t not in _TRANSPORTS]
+            if isinstance(transports, str) or unknown:
+                raise InvalidArgument(
+                    f"Agent(transports={transports!r}): choose 'auto' or a tuple of {_TRANSPORTS}"
+                )
+        if not 1 <= max_inflight <= 1 << 24:
+            raise InvalidArgument(f"Agent(max_inflight={max_inflight}): must be in [1, 2**24]")
+        if not 1 <= copy_threads <= 64:
+            raise InvalidArgument(f"Agent(copy_threads={copy_threads}): must be in [1, 64]")
+        self.id = uuid.uuid4().bytes
+        self.name = name or f"agent-{os.getpid()}-{self.id[:4].hex()}"
+        self.transports = _TRANSPORTS if transports == "auto" else tuple(transports)
+        self._engine = Engine(max_inflight, copy_threads)
+        self._regions: dict[int, Region] = {}
+        self._named: dict[str, Region] = {}
+        self._peers: set[Peer] = set()
+        self._next_region = 1
+        self._closed = False
+
+    # ---- lifetime ----
+
+    async def __aenter__(self) -> Agent:
+        self._check_open("Agent.__aenter__")
+        self._engine.attach()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def outstanding(self) -> int:
+        """Ops posted whose completion has not arrived yet (cancelled ones included)."""
+        return self._engine.outstanding
+
+    async def aclose(self) -> None:
+        """Close every peer, end every op in flight, deregister every region.
+
+        Ops still queued fail with ClosedError; copies already running finish
+        first, so no memory is released while a native thread touches it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for peer in list(self._peers):
+            lib.hx_peer_close(peer._handle)
+        await self._engine.shutdown()
+        for peer in list(self._peers):
+            peer._free()
+        self._peers.clear()
+        self._engine.free()
+        for region in self._regions.values():
+            region._closed = True
+            region._pinned.release()
+            self._wake_region_waiters(region)
+        self._regions.clear()
+        self._named.clear()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ClosedError(f"{what}: agent {self.name!r} is closed")
+
+    # ---- memory ----
+
+    def register(self, obj: Any, *, access: Access | None = None, name: str | None = None) -> Region:
+        """Register a C-contiguous buffer (bytearray, memoryview, mmap, numpy) or torch CPU tensor.
+
+        ``access`` says what peers may do; by default REMOTE_READ|REMOTE_WRITE,
+        or REMOTE_READ alone for a read-only buffer. The buffer is pinned
+        (a bytearray cannot be resized) until the region is closed.
+        """
+        self._check_open("Agent.register")
+        pinned = pin(obj, "Agent.register")
+        if access is None:
+            access = Access.REMOTE_READ if pinned.readonly else Access.REMOTE_READ | Access.REMOTE_WRITE
+        if pinned.readonly and access & Access.REMOTE_WRITE:
+            pinned.release()
+            raise InvalidArgument(
+                f"Agent.register: {type(obj).__name__} is read-only but access asks for REMOTE_WRITE"
+            )
+        memory = obj
+        if pinned._holds and not isinstance(pinned._holds[-1], memoryview):
+            memory = ffi.buffer(ffi.cast("char *", pinned.address), pinned.nbytes)  # torch
+        return self._add_region(pinned, Access(access), name, memory, "Agent.register")
+
+    def allocate(self, nbytes: int, *, access: Access | None = None, name: str | None = None) -> Region:
+        """Allocate ``nbytes`` of zero-filled, page-aligned memory (memfd-backed) and register it."""
+        self._check_open("Agent.allocate")
+        if nbytes < 0:
+            raise InvalidArgument(f"Agent.allocate({nbytes}): size must be >= 0")
+        pinned, mm = allocate_shared(nbytes, name)
+        lib.hx_prefault(ffi.cast("void *", pinned.address), nbytes, 1)
+        if access is None:
+            access = Access.REMOTE_READ | Access.REMOTE_WRITE
+        return self._add_region(pinned, Access(access), name, mm, "Agent.allocate")
+
+    def _add_region(self, pinned: Any, access: Access, name: str | None, memory: Any, what: str) -> Region:
+        if name is not None:
+            if not name or len(name.encode()) > 255:
+                pinned.release()
+                raise InvalidArgument(f"{what}: name must be 1 to 255 bytes of UTF-8")
+            if name in self._named:
+                pinned.release()
+                raise InvalidArgument(f"{what}: a region named {name!r} is already registered")
+        region_id = self._next_region
+        self._next_region += 1
+        rc = lib.hx_region_add(self._engine.native, region_id, pinned.address, pinned.nbytes, int(access))
+        if rc < 0:
+            pinned.release()
+            check(rc, what)
+        region = Region(self, region_id, pinned, access, name, memory)
+        self._regions[region_id] = region
+        if name is not None:
+            self._named[name] = region
+        return region
+
+    async def _close_region(self, region: Region) -> None:
+        region._closed = True
+        if region.name is not None:
+            self._named.pop(region.name, None)
+        if self._closed:
+            return
+        backend = self._engine.attach()
+        while region._inflight:
+            waiter = backend.new_waiter()
+            region._idle_waiters.append(waiter)
+            await backend.wait(waiter)
+        if self._closed:
+            return
+        rc = lib.hx_region_remove(self._engine.native, region.id, 0)
+        if rc == lib.HX_E_BUSY:
+            # A remote access is still running on a native thread.
+            rc = await anyio.to_thread.run_sync(lib.hx_region_remove, self._engine.native, region.id, 1)
+        self._regions.pop(region.id, None)
+        region._pinned.release()
+
+    def _wake_region_waiters(self, region: Region) -> None:
+        waiters, region._idle_waiters = region._idle_waiters, []
+        backend = self._engine.backend
+        for w in waiters:
+            backend.resolve(w, None)
+
+    def _transport_keys(self, region: Region) -> dict[int, bytes]:
+        return {}
+
+    def _published_remote(self, name: str, what: str) -> RemoteRegion:
+        region = self._named.get(name)
+        if region is None:
+            raise RegionUnavailable(f"{what}({name!r}): no region of that name is published")
+        return RemoteRegion(
+            RegionInfo(
+                agent_id=self.id, region_id=region.id, nbytes=region.nbytes, address=region.address,
+                access=region.access, kind=region.kind, name=region.name,
+                keys=self._transport_keys(region),
+            )
+        )
+
+    # ---- peers ----
+
+    def loopback(self) -> Peer:
+        """A peer that is this agent: ops copy between its own regions."""
+        self._check_open("Agent.loopback")
+        status = ffi.new("int *")
+        handle = lib.hx_loopback_new(self._engine.native, status)
+        if handle == ffi.NULL:
+            check(status[0], "Agent.loopback")
+        peer = Peer(self, handle, self.id, "loopback", self.name)
+        self._peers.add(peer)
+        return peer
+
+    def _forget_peer(self, peer: Peer) -> None:
+        # Native resources go with the agent: ops of the peer may still be completing.
+        pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._regions)} regions, {len(self._peers)} peers"
+        return f"<Agent {self.name!r} {state}>"

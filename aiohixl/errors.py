@@ -1,0 +1,84 @@
+"""aiohixl's exceptions: one hierarchy, each class with one exact meaning.
+
+- ``ClosedError``: *you* closed the agent, region or peer this call used.
+- ``ConnectionLost``: the *other side* went away (process died, link broke).
+- ``RegionUnavailable``: the target withdrew (closed) the region an op named.
+- ``OutOfBounds`` / ``AccessDenied``: the op was refused before any byte moved.
+- ``TransferTimeout``: the caller stopped waiting; the op itself may still
+  complete (bytes may land later).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HixlError",
+    "InvalidArgument",
+    "UnsupportedMemory",
+    "LengthMismatch",
+    "OutOfBounds",
+    "InvalidDescriptor",
+    "AccessDenied",
+    "ClosedError",
+    "RegionUnavailable",
+    "ConnectionLost",
+    "AuthenticationError",
+    "ProtocolError",
+    "TransferError",
+    "TransferTimeout",
+]
+
+
+class HixlError(Exception):
+    """Base of every error aiohixl raises on purpose."""
+
+
+class InvalidArgument(HixlError, ValueError):
+    """An argument can never work, whatever the state of the system."""
+
+
+class UnsupportedMemory(InvalidArgument, TypeError):
+    """The object cannot be registered (not a buffer, not contiguous, wrong device...)."""
+
+
+class LengthMismatch(InvalidArgument):
+    """The two sides of a put/get have different lengths."""
+
+
+class OutOfBounds(InvalidArgument, IndexError):
+    """A range reaches outside its region."""
+
+
+class InvalidDescriptor(InvalidArgument):
+    """A region descriptor is malformed, of an unknown version, or from another agent."""
+
+
+class AccessDenied(HixlError):
+    """The region was not registered with the right this op needs."""
+
+
+class ClosedError(HixlError):
+    """The agent, region or peer was closed by this process."""
+
+
+class RegionUnavailable(HixlError):
+    """The target has no such region any more (it was closed or never published)."""
+
+
+class ConnectionLost(HixlError):
+    """The peer went away; ops outstanding on it failed."""
+
+
+class AuthenticationError(HixlError):
+    """The peer could not prove it holds the shared token (or we could not)."""
+
+
+class ProtocolError(HixlError):
+    """The peer sent something this version of the protocol does not allow."""
+
+
+class TransferError(HixlError):
+    """A transfer failed for a reason not covered by a more precise class."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """The caller stopped waiting. The op may still complete in the background."""
