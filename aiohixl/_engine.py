@@ -47,6 +47,7 @@ class Engine:
         self._batch = ffi.new("hx_completion[]", _DRAIN_BATCH)
         self._slot_waiters: list[Any] = []
         self.completed = 0  # ops whose completion arrived, awaited or not
+        self.unknown_completions = 0  # completions of no outstanding op: a bug if ever > 0
 
     @property
     def outstanding(self) -> int:
@@ -109,6 +110,7 @@ class Engine:
                 c = batch[i]
                 op = self._ops.pop(c.op_id, None)
                 if op is None:
+                    self.unknown_completions += 1
                     continue
                 self.completed += 1
                 if op.on_done is not None:

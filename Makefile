@@ -1,0 +1,31 @@
+# make test      set up .venv, build the native module, run the test suite
+# make example   run examples/quickstart.py
+# WITH_TORCH=1   also install torch (CPU) so the torch tests run instead of skipping
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: venv test example clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py $(wildcard _native/*)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q -e '.[test]'
+ifeq ($(WITH_TORCH),1)
+	$(PY) -m pip install -q '$(TORCH_SPEC)' || echo "torch not installed: torch tests will skip"
+endif
+	touch $@
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+example: venv
+	$(PY) examples/quickstart.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info aiohixl/_hixl*.so

@@ -1,0 +1,135 @@
+"""Registration of every buffer kind, allocate(), slicing and descriptors."""
+
+import mmap
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import aiohixl
+from aiohixl import Access
+from aiohixl.descriptor import decode
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: bytearray(4096),
+        lambda: memoryview(bytearray(4096)),
+        lambda: mmap.mmap(-1, 4096),
+        lambda: np.zeros(1024, dtype=np.float32),
+        lambda: np.zeros((32, 32), dtype=np.int32),
+    ],
+    ids=["bytearray", "memoryview", "mmap", "numpy-1d", "numpy-2d"],
+)
+async def test_register_buffer_kinds_roundtrip(agent, make):
+    obj = make()
+    region = agent.register(obj, name="r")
+    assert region.nbytes == memoryview(obj).nbytes
+    src = agent.register(bytearray(range(256)) * (region.nbytes // 256))
+    peer = agent.loopback()
+    await peer.put(await peer.region("r"), src)
+    assert bytes(memoryview(obj).cast("B")) == bytes(src.memory)
+
+
+async def test_register_torch_cpu_tensor(agent):
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(1024, dtype=torch.float32)
+    region = agent.register(t, name="t")
+    src = agent.register(np.full(1024, 2.5, dtype=np.float32))
+    peer = agent.loopback()
+    await peer.put(await peer.region("t"), src)
+    assert bool((t == 2.5).all())
+    with pytest.raises(aiohixl.UnsupportedMemory, match="contiguous"):
+        agent.register(torch.zeros(8, 8).t())
+    await region.close()
+
+
+async def test_non_contiguous_is_refused(agent):
+    with pytest.raises(aiohixl.UnsupportedMemory, match="contiguous"):
+        agent.register(np.zeros((8, 8))[:, ::2])
+    with pytest.raises(aiohixl.UnsupportedMemory, match="buffer protocol"):
+        agent.register(object())
+
+
+async def test_read_only_buffer(agent):
+    with pytest.raises(aiohixl.InvalidArgument, match="REMOTE_WRITE"):
+        agent.register(b"abcd", access=Access.REMOTE_WRITE)
+    ro = agent.register(b"abcd" * 1024)
+    assert ro.access == Access.REMOTE_READ and ro.readonly
+    dst = agent.register(bytearray(4096), name="dst")
+    peer = agent.loopback()
+    await peer.put(await peer.region("dst"), ro)  # reading a read-only local buffer is fine
+    assert bytes(dst.memory) == b"abcd" * 1024
+    src = agent.register(bytearray(4096), name="src")
+    with pytest.raises(aiohixl.AccessDenied, match="Peer.get.*read-only"):
+        await peer.get(ro, await peer.region("src"))
+
+
+async def test_allocate_is_zeroed_page_aligned_memfd(agent):
+    region = agent.allocate(3 * mmap.PAGESIZE + 5, name="a")
+    assert region.kind == "memfd"
+    assert region.address % mmap.PAGESIZE == 0
+    assert region.nbytes == 3 * mmap.PAGESIZE + 5
+    assert not any(region.memory)
+    region.memory[:5] = b"hello"
+    assert bytes(region[0:5].memory) == b"hello"
+
+
+async def test_slicing(agent):
+    region = agent.allocate(100)
+    s = region[10:50]
+    assert (s.offset, s.nbytes) == (10, 40)
+    assert (s[5:10].offset, s[5:10].nbytes) == (15, 5)
+    assert (region[-10:].offset, region[-10:].nbytes) == (90, 10)
+    with pytest.raises(aiohixl.OutOfBounds, match="outside"):
+        region[50:101]
+    with pytest.raises(aiohixl.OutOfBounds):
+        s[0:41]
+    with pytest.raises(aiohixl.UnsupportedMemory):
+        region[0:10:2]
+
+
+async def test_duplicate_name_refused(agent):
+    agent.allocate(10, name="kv")
+    with pytest.raises(aiohixl.InvalidArgument, match="already registered"):
+        agent.allocate(10, name="kv")
+
+
+async def test_closing_region_releases_buffer(agent):
+    buf = bytearray(100)
+    region = agent.register(buf)
+    with pytest.raises(BufferError):
+        buf.append(1)  # pinned while registered
+    await region.close()
+    buf.append(1)
+    assert region.closed
+    with pytest.raises(aiohixl.ClosedError, match="Region.descriptor"):
+        region.descriptor()
+
+
+async def test_descriptor_roundtrip_and_checks(agent):
+    region = agent.allocate(4096, name="kv", access=Access.REMOTE_WRITE)
+    desc = region.descriptor()
+    peer = agent.loopback()
+    remote = peer.remote_region(desc)
+    assert (remote.name, remote.nbytes, remote.access, remote.id) == ("kv", 4096, Access.REMOTE_WRITE, region.id)
+    assert remote[100:200].nbytes == 100
+    async with aiohixl.Agent("other") as other:
+        with pytest.raises(aiohixl.InvalidDescriptor, match="belongs to agent"):
+            other.loopback().remote_region(desc)
+    bad = bytearray(desc)
+    bad[4] = 99
+    with pytest.raises(aiohixl.InvalidDescriptor, match="version 99"):
+        peer.remote_region(bytes(bad))
+    with pytest.raises(aiohixl.InvalidDescriptor, match="magic"):
+        peer.remote_region(b"PICKLE" + desc[6:])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_descriptor_decoder_never_crashes(data):
+    try:
+        decode(data)
+    except aiohixl.InvalidDescriptor:
+        pass

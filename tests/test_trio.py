@@ -1,0 +1,82 @@
+"""The trio subset: the same agent, driven by trio (one system task on the wake fd)."""
+
+import numpy as np
+import pytest
+import trio
+
+import aiohixl
+from aiohixl import Access
+
+from .conftest import random_bytes
+
+
+def run(fn):
+    return trio.run(fn)
+
+
+def test_put_get_many_on_trio():
+    async def main():
+        async with aiohixl.Agent("trio") as agent:
+            src_arr = random_bytes(8 << 20, seed=11)
+            src = agent.register(src_arr)
+            dst_arr = np.zeros(8 << 20, dtype=np.uint8)
+            dst = agent.register(dst_arr, name="d")
+            peer = agent.loopback()
+            d = await peer.region("d")
+            await peer.put(d[:4096], src[:4096])  # inline
+            await peer.put(d, src)  # copy pool, completion through the wake fd
+            assert np.array_equal(dst_arr, src_arr)
+            dst_arr[:] = 0
+            half = 4 << 20
+            await peer.put_many([(d[:half], src[half:]), (d[half:], src[:half])])
+            assert np.array_equal(dst_arr[:half], src_arr[half:])
+            back = agent.register(np.zeros(8 << 20, dtype=np.uint8))
+            await peer.get_many([(back[:half], d[half:]), (back[half:], d[:half])])
+            assert np.array_equal(back.memory, src_arr)
+            await peer.get(back, d)
+            assert np.array_equal(np.frombuffer(back.memory, dtype=np.uint8), dst_arr)
+
+    run(main)
+
+
+def test_concurrent_ops_and_errors_on_trio():
+    async def main():
+        async with aiohixl.Agent() as agent:
+            src = agent.register(random_bytes(1 << 20, seed=12))
+            dst_arr = np.zeros(200 << 20, dtype=np.uint8)
+            agent.register(dst_arr, name="d")
+            agent.register(bytearray(10), name="ro", access=Access.REMOTE_READ)
+            peer = agent.loopback()
+            d = await peer.region("d")
+            async with trio.open_nursery() as nursery:
+                for i in range(200):
+                    nursery.start_soon(peer.put, d[i << 20 : (i + 1) << 20], src)
+            assert np.array_equal(dst_arr.reshape(200, -1), np.tile(src.memory, (200, 1)))
+            with pytest.raises(aiohixl.AccessDenied):
+                await peer.put(await peer.region("ro"), src[:10])
+            with pytest.raises(aiohixl.TransferTimeout):
+                big = agent.register(np.ones(200 << 20, dtype=np.uint8))
+                await peer.put(d, big, timeout=0.0001)
+            assert agent.outstanding == 1 or dst_arr.all()
+            with trio.move_on_after(5):
+                while agent.outstanding:
+                    await trio.sleep(0.01)
+            assert agent.outstanding == 0 and dst_arr.all()
+
+    run(main)
+
+
+def test_cancellation_on_trio():
+    async def main():
+        async with aiohixl.Agent() as agent:
+            src = agent.register(np.ones(128 << 20, dtype=np.uint8))
+            dst_arr = np.zeros(128 << 20, dtype=np.uint8)
+            region = agent.register(dst_arr, name="d")
+            peer = agent.loopback()
+            d = await peer.region("d")
+            with trio.move_on_after(0.0001):
+                await peer.put(d, src)
+            await region.close()  # waits for the abandoned copy
+            assert agent.outstanding == 0 and dst_arr.all()
+
+    run(main)
