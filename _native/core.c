@@ -287,6 +287,7 @@ hx_agent *hx_agent_new(uint32_t ring_capacity, uint32_t copy_threads, int *statu
     pthread_cond_init(&a->ring_space, NULL);
     pthread_mutex_init(&a->pool_lock, NULL);
     pthread_cond_init(&a->pool_work, NULL);
+    pthread_mutex_init(&a->io_lock, NULL);
     atomic_init(&a->next_peer_id, 1);
     for (uint32_t i = 0; i < copy_threads; i++) {
         if (pthread_create(&a->threads[i], NULL, pool_main, a) != 0) {
@@ -309,6 +310,8 @@ fail:
 
 void hx_agent_shutdown(hx_agent *a)
 {
+    /* The I/O thread first: its ops release their regions as they fail. */
+    hx_io_shutdown(a);
     pthread_mutex_lock(&a->pool_lock);
     bool already = a->closing;
     a->closing = true;
@@ -326,6 +329,7 @@ void hx_agent_free(hx_agent *a)
     if (!a)
         return;
     hx_agent_shutdown(a);
+    hx_io_free(a);
     for (int i = 0; i < HX_REGION_BUCKETS; i++) {
         hx_region *r = a->buckets[i];
         while (r) {
@@ -377,7 +381,14 @@ void hx_peer_close(hx_peer *p)
 {
     if (atomic_exchange(&p->closed, true))
         return;
-    p->ops->close(p);
+    p->ops->fail(p, HX_E_CLOSED);
+}
+
+void hx_peer_fail(hx_peer *p, int status)
+{
+    if (status >= 0)
+        status = HX_E_CONNLOST;
+    p->ops->fail(p, status);
 }
 
 void hx_peer_free(hx_peer *p)

@@ -67,7 +67,18 @@ hx_peer *hx_loopback_new(hx_agent *a, int *status);
 int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n);
 /* Fails the peer's queued ops with HX_E_CLOSED; ops already copying finish. */
 void hx_peer_close(hx_peer *p);
+/* Fails every op outstanding on the peer with status (e.g. HX_E_CONNLOST when
+ * the control plane saw the peer die); later posts fail the same way. */
+void hx_peer_fail(hx_peer *p, int status);
 void hx_peer_free(hx_peer *p);
+
+/* tcp transport. Both take ownership of fd (a connected stream socket).
+ * connect: this side initiates ops over fd. serve: this side is the target
+ * of the ops arriving on fd; first/first_len are sent before anything else. */
+hx_peer *hx_tcp_connect_fd(hx_agent *a, int fd, int *status);
+int hx_tcp_serve_fd(hx_agent *a, int fd, uint64_t session, const uint8_t *first, uint32_t first_len);
+/* Closes every served connection of a session (its control connection ended). */
+void hx_tcp_drop_session(hx_agent *a, uint64_t session);
 
 /* Touches every page so later copies do not pay page faults. */
 void hx_prefault(void *addr, uint64_t len, int write);

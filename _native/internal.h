@@ -40,7 +40,7 @@ typedef struct hx_job {
 
 typedef struct hx_peer_ops {
     int (*post)(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n);
-    void (*close)(hx_peer *p);
+    void (*fail)(hx_peer *p, int status);
     void (*destroy)(hx_peer *p);
 } hx_peer_ops;
 
@@ -72,6 +72,10 @@ struct hx_agent {
     uint32_t nthreads;
     bool closing;
     atomic_uint_fast64_t next_peer_id;
+
+    /* tcp I/O thread, started with the first tcp connection */
+    pthread_mutex_t io_lock;
+    struct hx_io *io;
 };
 
 /* registry.c / core.c */
@@ -84,6 +88,10 @@ void hx_pool_submit(hx_agent *a, hx_job *job, hx_task *first, hx_task *last);
 void hx_pool_fail_peer(hx_agent *a, uint64_t peer_id);
 void hx_job_release(hx_agent *a, hx_job *job);
 void hx_peer_init(hx_peer *p, hx_agent *a, const hx_peer_ops *ops);
+/* tcp.c: stops the I/O thread, failing every tcp op with HX_E_CLOSED. */
+void hx_io_shutdown(hx_agent *a);
+/* tcp.c: frees what the stopped I/O thread left (connections Python never freed). */
+void hx_io_free(hx_agent *a);
 
 /* Copies at or under this size run on the caller's thread: a wake-up of
  * another core costs more than the copy. */

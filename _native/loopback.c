@@ -107,8 +107,9 @@ out:
     return rc;
 }
 
-static void lb_close(hx_peer *p)
+static void lb_fail(hx_peer *p, int status)
 {
+    (void)status; /* queued copies of a loopback peer can only be closed */
     hx_pool_fail_peer(p->agent, p->id);
 }
 
@@ -117,7 +118,7 @@ static void lb_destroy(hx_peer *p)
     free(p);
 }
 
-static const hx_peer_ops loopback_ops = {lb_post, lb_close, lb_destroy};
+static const hx_peer_ops loopback_ops = {lb_post, lb_fail, lb_destroy};
 
 hx_peer *hx_loopback_new(hx_agent *a, int *status)
 {

@@ -6,6 +6,7 @@ from .errors import (
     AuthenticationError,
     ClosedError,
     ConnectionLost,
+    ConnectTimeout,
     HixlError,
     InvalidArgument,
     InvalidDescriptor,
@@ -26,6 +27,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Agent", "Access", "Region", "RegionSlice", "RemoteRegion", "RemoteSlice", "Peer",
     "HixlError", "InvalidArgument", "UnsupportedMemory", "LengthMismatch", "OutOfBounds",
-    "InvalidDescriptor", "AccessDenied", "ClosedError", "RegionUnavailable", "ConnectionLost",
+    "InvalidDescriptor", "AccessDenied", "ClosedError", "RegionUnavailable", "ConnectionLost", "ConnectTimeout",
     "AuthenticationError", "ProtocolError", "TransferError", "TransferTimeout", "__version__",
 ]

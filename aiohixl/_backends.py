@@ -22,6 +22,8 @@ class Backend:
     def new_waiter(self) -> Any: ...
     def resolve(self, waiter: Any, exc: BaseException | None) -> None: ...
     async def wait(self, waiter: Any) -> None: ...
+    def spawn(self, fn: Callable[[], Any], name: str) -> None:
+        """Run ``fn()`` in the background; it must catch its own exceptions."""
 
 
 class AsyncioBackend(Backend):
@@ -29,6 +31,7 @@ class AsyncioBackend(Backend):
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self._tasks: set[asyncio.Task] = set()
 
     def watch(self, fd: int, on_readable: Callable[[], None]) -> None:
         self.loop.add_reader(fd, on_readable)
@@ -50,6 +53,11 @@ class AsyncioBackend(Backend):
 
     async def wait(self, waiter: asyncio.Future) -> None:
         await waiter
+
+    def spawn(self, fn: Callable[[], Any], name: str) -> None:
+        task = self.loop.create_task(fn(), name=name)
+        self._tasks.add(task)  # the loop keeps only weak references
+        task.add_done_callback(self._tasks.discard)
 
 
 class _TrioWaiter:
@@ -105,6 +113,9 @@ class TrioBackend(Backend):
         await waiter.event.wait()
         if waiter.exc is not None:
             raise waiter.exc
+
+    def spawn(self, fn: Callable[[], Any], name: str) -> None:
+        self.trio.lowlevel.spawn_system_task(fn, name=name)
 
 
 def current_backend() -> Backend:

@@ -8,24 +8,34 @@ from typing import Any
 
 import anyio
 
+from . import _control as c
+from . import _wire as w
 from ._engine import Engine
 from ._native import check, ffi, lib
+from ._server import Listener
 from .descriptor import RegionInfo
-from .errors import ClosedError, InvalidArgument, RegionUnavailable
+from .errors import ClosedError, ConnectionLost, ConnectTimeout, InvalidArgument, RegionUnavailable
 from .memory import Access, Region, allocate_shared, pin
 from .peer import Peer
 from .remote import RemoteRegion
 
 __all__ = ["Agent"]
 
-_TRANSPORTS = ("loopback",)
+_TRANSPORTS = ("loopback", "tcp")
 
 
 class Agent:
     """One endpoint of aiohixl: owns registered memory and the peers ops go through.
 
-    Use it as ``async with Agent() as agent:`` or call ``await agent.aclose()``.
+    Use it as ``async with Agent() as agent:`` (or ``await agent.start()`` and
+    ``await agent.aclose()``).
 
+    ``listen="host:port"`` makes peers able to connect (port 0 picks a free
+    port; ``agent.address`` tells which). ``token`` is the shared secret both
+    sides of a connection prove they hold (default: ``AIOHIXL_TOKEN``).
+    Every ``heartbeat_interval`` seconds each side of a control connection
+    pings; after ``heartbeat_timeout`` seconds of silence the connection is
+    given up and its ops fail with ConnectionLost.
     ``max_inflight`` bounds the ops outstanding at once (the completion ring's
     size); a call beyond it waits for room. ``copy_threads`` is the number of
     native threads that run large copies.
@@ -35,7 +45,11 @@ class Agent:
         self,
         name: str | None = None,
         *,
+        listen: str | None = None,
+        token: str | bytes | None = None,
         transports: str | tuple[str, ...] = "auto",
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 5.0,
         max_inflight: int = 65536,
         copy_threads: int = 1,
     ) -> None:
@@ -49,9 +63,22 @@ class Agent:
             raise InvalidArgument(f"Agent(max_inflight={max_inflight}): must be in [1, 2**24]")
         if not 1 <= copy_threads <= 64:
             raise InvalidArgument(f"Agent(copy_threads={copy_threads}): must be in [1, 64]")
+        if not 0 < heartbeat_interval < heartbeat_timeout:
+            raise InvalidArgument(
+                f"Agent(heartbeat_interval={heartbeat_interval}, heartbeat_timeout={heartbeat_timeout}):"
+                " need 0 < interval < timeout"
+            )
+        self._listen = c.parse_address(listen, "Agent(listen=...)") if listen is not None else None
+        self._token = token
+        if listen is not None:
+            c.resolve_token(token, "Agent(listen=...)")
         self.id = uuid.uuid4().bytes
         self.name = name or f"agent-{os.getpid()}-{self.id[:4].hex()}"
         self.transports = _TRANSPORTS if transports == "auto" else tuple(transports)
+        self.host_identity = c.HostIdentity.local()
+        self._heartbeat_interval = heartbeat_interval
+        self._heartbeat_timeout = heartbeat_timeout
+        self._listener: Listener | None = None
         self._engine = Engine(max_inflight, copy_threads)
         self._regions: dict[int, Region] = {}
         self._named: dict[str, Region] = {}
@@ -62,9 +89,26 @@ class Agent:
     # ---- lifetime ----
 
     async def __aenter__(self) -> Agent:
-        self._check_open("Agent.__aenter__")
-        self._engine.attach()
+        await self.start()
         return self
+
+    async def start(self) -> None:
+        """Bind to the running event loop and start listening (if ``listen`` was given)."""
+        self._check_open("Agent.start")
+        self._engine.attach()
+        if self._listen is not None and self._listener is None:
+            host, port = self._listen
+            listener = Listener(self, host, port, c.resolve_token(self._token, "Agent.start"))
+            try:
+                await listener.start()
+            except OSError as exc:
+                raise OSError(exc.errno, f"Agent.start: cannot listen on {host}:{port}: {exc.strerror}") from None
+            self._listener = listener
+
+    @property
+    def address(self) -> str | None:
+        """``host:port`` peers connect to, once started with ``listen``; else None."""
+        return self._listener.address if self._listener else None
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
@@ -87,7 +131,10 @@ class Agent:
         if self._closed:
             return
         self._closed = True
+        if self._listener is not None:
+            await self._listener.aclose()
         for peer in list(self._peers):
+            peer._end_session()
             lib.hx_peer_close(peer._handle)
         await self._engine.shutdown()
         for peer in list(self._peers):
@@ -166,6 +213,8 @@ class Agent:
         if self._closed:
             return
         backend = self._engine.attach()
+        if self._listener is not None:
+            await self._listener.withdraw(region.id)
         while region._inflight:
             waiter = backend.new_waiter()
             region._idle_waiters.append(waiter)
@@ -213,6 +262,56 @@ class Agent:
         self._peers.add(peer)
         return peer
 
+    async def connect(
+        self, address: str, token: str | bytes | None = None, *, timeout: float = 10.0,
+        transports: tuple[str, ...] | None = None,
+    ) -> Peer:
+        """Connect to the agent listening at ``address`` ("host:port") and authenticate.
+
+        Raises AuthenticationError when the tokens differ, ConnectionLost when
+        nothing answers, TransferTimeout when the handshake takes longer than
+        ``timeout`` seconds.
+        """
+        what = f"Agent.connect({address!r})"
+        self._check_open("Agent.connect")
+        key = c.resolve_token(token if token is not None else self._token, what)
+        host, port = c.parse_address(address, what)
+        wanted = self.transports if transports is None else tuple(transports)
+        self._engine.attach()
+        channels: list[c.Channel] = []
+        ok = False
+        try:
+            with anyio.fail_after(timeout):
+                ch = c.Channel(await anyio.connect_tcp(host, port))
+                channels.append(ch)
+                info = await c.client_handshake(ch, key, w.ROLE_CONTROL, bytes(16), self, what)
+                chosen = [t for t in ("tcp",) if t in wanted and t in info.transports]
+                if not chosen:
+                    raise InvalidArgument(
+                        f"{what}: no transport in common (we allow {wanted}, the peer offers {info.transports})"
+                    )
+                data = c.Channel(await anyio.connect_tcp(host, port))
+                channels.append(data)
+                await c.client_handshake(data, key, w.ROLE_DATA, info.session, self, what)
+                fd = data.fileno_for_handoff()
+                ok = True
+        except TimeoutError:
+            raise ConnectTimeout(f"{what}: no answer within {timeout} s") from None
+        except c._STREAM_ERRORS as exc:
+            raise ConnectionLost(f"{what}: {exc or type(exc).__name__}") from None
+        finally:
+            for ch_ in channels[1:] if ok else channels:
+                await ch_.aclose()
+        status = ffi.new("int *")
+        handle = lib.hx_tcp_connect_fd(self._engine.native, fd, status)
+        if handle == ffi.NULL:
+            await ch.aclose()
+            check(status[0], what)
+        peer = Peer(self, handle, info.agent_id, chosen[0], info.name, info=info)
+        peer._start_session(ch)
+        self._peers.add(peer)
+        return peer
+
     def _forget_peer(self, peer: Peer) -> None:
         # Native resources go with the agent: ops of the peer may still be completing.
         pass
@@ -220,3 +319,4 @@ class Agent:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._regions)} regions, {len(self._peers)} peers"
         return f"<Agent {self.name!r} {state}>"
+

@@ -21,6 +21,7 @@ __all__ = [
     "ClosedError",
     "RegionUnavailable",
     "ConnectionLost",
+    "ConnectTimeout",
     "AuthenticationError",
     "ProtocolError",
     "TransferError",
@@ -66,6 +67,10 @@ class RegionUnavailable(HixlError):
 
 class ConnectionLost(HixlError):
     """The peer went away; ops outstanding on it failed."""
+
+
+class ConnectTimeout(HixlError, TimeoutError):
+    """Agent.connect() got no complete answer in time."""
 
 
 class AuthenticationError(HixlError):

@@ -288,7 +288,7 @@ async def test_use_after_close_names_the_method():
         await peer.region("r")
     with pytest.raises(aiohixl.ClosedError, match="Region.memory"):
         region.memory
-    with pytest.raises(aiohixl.ClosedError, match="Agent.__aenter__"):
+    with pytest.raises(aiohixl.ClosedError, match="Agent.start"):
         async with agent:
             pass
 

@@ -1,0 +1,335 @@
+"""The control plane: authenticated handshake, region lookups, withdrawals, heartbeats.
+
+Every connection to a listener starts with the same exchange::
+
+    client -> HELLO      magic, versions it speaks, role (control|data), nonce_c
+    server -> CHALLENGE  version chosen, nonce_s, HMAC(token, "server" nonce_c nonce_s)
+    client -> AUTH       HMAC(token, "client" nonce_s nonce_c role session), who it is
+    server -> WELCOME    who it is, session id, published regions      (control)
+              DATA_OK    sent by the native layer once it owns the socket (data)
+
+Each side proves it holds the token before the other says anything that
+matters; MACs are compared in constant time. After a control handshake both
+sides send PING every ``interval`` seconds and give the connection up when
+nothing arrives for ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import anyio
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from . import _wire as w
+from .errors import AuthenticationError, ConnectionLost, HixlError, InvalidArgument, ProtocolError
+
+log = logging.getLogger("aiohixl")
+
+_STREAM_ERRORS = (
+    anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
+    anyio.ClosedResourceError, OSError,
+)
+
+
+def resolve_token(token: str | bytes | None, what: str) -> bytes:
+    if token is None:
+        token = os.environ.get("AIOHIXL_TOKEN")
+    if not token:
+        raise InvalidArgument(f"{what}: a shared token is required (token= or AIOHIXL_TOKEN)")
+    return token.encode() if isinstance(token, str) else bytes(token)
+
+
+def parse_address(address: str, what: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise InvalidArgument(f"{what}: address {address!r} is not 'host:port'")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _read_id(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class HostIdentity:
+    """What decides whether two agents share a host (and a kernel boot)."""
+
+    host: str
+    boot: str
+
+    @classmethod
+    def local(cls) -> HostIdentity:
+        machine = _read_id("/etc/machine-id") or socket.gethostname()
+        return cls(host=f"{socket.gethostname()}/{machine}", boot=_read_id("/proc/sys/kernel/random/boot_id"))
+
+
+@dataclass
+class PeerInfo:
+    agent_id: bytes
+    name: str
+    host: HostIdentity
+    transports: list[str]
+    session: bytes
+    regions: list[bytes] = field(default_factory=list)
+
+
+def _server_mac(token: bytes, nonce_c: bytes, nonce_s: bytes) -> bytes:
+    return hmac.new(token, b"aiohixl-server" + nonce_c + nonce_s, hashlib.sha256).digest()
+
+
+def _client_mac(token: bytes, nonce_s: bytes, nonce_c: bytes, role: int, session: bytes) -> bytes:
+    msg = b"aiohixl-client" + nonce_s + nonce_c + bytes([role]) + session
+    return hmac.new(token, msg, hashlib.sha256).digest()
+
+
+class Channel:
+    """Frames over an anyio byte stream; one sender at a time."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.reader = BufferedByteReceiveStream(stream)
+        self.send_lock = anyio.Lock()
+
+    async def send(self, frame: bytes) -> None:
+        async with self.send_lock:
+            await self.stream.send(frame)
+
+    async def recv(self, limit: int) -> tuple[int, w.Reader]:
+        head = await self.reader.receive_exactly(w.HEAD_SIZE)
+        n, ftype = w.split_head(head, limit)
+        body = await self.reader.receive_exactly(n) if n else b""
+        return ftype, w.Reader(body, w.NAMES[ftype])
+
+    async def expect(self, ftype: int, limit: int) -> w.Reader:
+        got, r = await self.recv(limit)
+        if got == w.ERROR:
+            _raise_error(r)
+        if got != ftype:
+            raise ProtocolError(f"expected {w.NAMES[ftype]}, got {w.NAMES[got]}")
+        return r
+
+    def fileno_for_handoff(self) -> int:
+        """A duplicate of the socket's fd, for the native layer to own."""
+        if self.reader.buffer:
+            raise ProtocolError("peer sent data before the handshake finished")
+        sock = self.stream.extra(anyio.abc.SocketAttribute.raw_socket)
+        return os.dup(sock.fileno())
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.stream.aclose()
+            except _STREAM_ERRORS:
+                pass
+
+
+def _raise_error(r: w.Reader) -> None:
+    code = r.u8()
+    message = r.str()
+    if code == w.ERR_AUTH:
+        raise AuthenticationError(f"the listener refused: {message}")
+    raise ProtocolError(f"the listener refused: {message}")
+
+
+def _error_frame(code: int, message: str) -> bytes:
+    return w.Writer().u8(code).str(message).frame(w.ERROR)
+
+
+def _write_identity(wr: w.Writer, agent_id: bytes, name: str, host: HostIdentity, transports: Any) -> w.Writer:
+    return wr.raw(agent_id).str(name).str(host.host).str(host.boot).strs(transports)
+
+
+def _read_identity(r: w.Reader) -> tuple[bytes, str, HostIdentity, list[str]]:
+    agent_id = r.raw(16)
+    name = r.str()
+    host = HostIdentity(r.str(), r.str())
+    return agent_id, name, host, r.strs()
+
+
+# ---------- client side ----------
+
+
+async def client_handshake(
+    ch: Channel, token: bytes, role: int, session: bytes, me: Any, where: str
+) -> PeerInfo | None:
+    """Runs the client half; returns the server's PeerInfo (control) or None (data)."""
+    nonce_c = os.urandom(32)
+    hello = w.Writer().raw(w.MAGIC).u16(w.VERSION_MIN).u16(w.VERSION_MAX).u8(role).raw(nonce_c)
+    await ch.send(hello.frame(w.HELLO))
+    r = await ch.expect(w.CHALLENGE, w.MAX_UNAUTH_FRAME)
+    version, nonce_s, mac_s = r.u16(), r.raw(32), r.raw(32)
+    r.end()
+    if not w.VERSION_MIN <= version <= w.VERSION_MAX:
+        raise ProtocolError(f"{where}: listener chose protocol version {version}")
+    if not hmac.compare_digest(mac_s, _server_mac(token, nonce_c, nonce_s)):
+        raise AuthenticationError(f"{where}: the listener does not hold the same token")
+    auth = w.Writer().raw(_client_mac(token, nonce_s, nonce_c, role, session)).raw(session)
+    _write_identity(auth, me.id, me.name, me.host_identity, me.transports)
+    await ch.send(auth.frame(w.AUTH))
+    if role == w.ROLE_DATA:
+        r = await ch.expect(w.DATA_OK, w.MAX_UNAUTH_FRAME)
+        r.end()
+        return None
+    r = await ch.expect(w.WELCOME, w.MAX_FRAME)
+    agent_id, name, host, transports = _read_identity(r)
+    sid = r.raw(16)
+    regions = [r.blob() for _ in range(r.u16())]
+    r.end()
+    return PeerInfo(agent_id, name, host, transports, sid, regions)
+
+
+# ---------- server side ----------
+
+
+@dataclass
+class Hello:
+    role: int
+    session: bytes
+    info: PeerInfo
+
+
+async def server_handshake(ch: Channel, token: bytes) -> Hello:
+    """Runs the server half up to and including the check of the client's MAC."""
+    r = await ch.expect(w.HELLO, w.MAX_UNAUTH_FRAME)
+    magic, vmin, vmax, role, nonce_c = r.raw(4), r.u16(), r.u16(), r.u8(), r.raw(32)
+    r.end()
+    if magic != w.MAGIC:
+        raise ProtocolError("not an aiohixl client (bad magic)")
+    if role not in (w.ROLE_CONTROL, w.ROLE_DATA):
+        raise ProtocolError(f"unknown role {role}")
+    version = min(vmax, w.VERSION_MAX)
+    if version < max(vmin, w.VERSION_MIN):
+        await ch.send(_error_frame(w.ERR_VERSION, f"this agent speaks versions {w.VERSION_MIN}-{w.VERSION_MAX}"))
+        raise ProtocolError(f"client speaks versions {vmin}-{vmax} only")
+    nonce_s = os.urandom(32)
+    await ch.send(w.Writer().u16(version).raw(nonce_s).raw(_server_mac(token, nonce_c, nonce_s)).frame(w.CHALLENGE))
+    r = await ch.expect(w.AUTH, w.MAX_UNAUTH_FRAME)
+    mac, session = r.raw(32), r.raw(16)
+    if not hmac.compare_digest(mac, _client_mac(token, nonce_s, nonce_c, role, session)):
+        await ch.send(_error_frame(w.ERR_AUTH, "authentication failed"))
+        raise AuthenticationError("client failed authentication")
+    agent_id, name, host, transports = _read_identity(r)
+    r.end()
+    return Hello(role, session, PeerInfo(agent_id, name, host, transports, session))
+
+
+def welcome_frame(me: Any, session: bytes, regions: list[bytes]) -> bytes:
+    wr = _write_identity(w.Writer(), me.id, me.name, me.host_identity, me.transports).raw(session)
+    budget = w.MAX_FRAME - 8192  # the rest are reachable by lookup
+    kept = []
+    for desc in regions:
+        budget -= len(desc) + 4
+        if budget < 0 or len(kept) == 0xFFFF:
+            break
+        kept.append(desc)
+    wr.u16(len(kept))
+    for desc in kept:
+        wr.blob(desc)
+    return wr.frame(w.WELCOME)
+
+
+def error_frame(code: int, message: str) -> bytes:
+    return _error_frame(code, message)
+
+
+# ---------- the session after the handshake ----------
+
+
+class Session:
+    """One control connection after its handshake, on either side.
+
+    ``handlers`` maps frame types to callables taking a Reader (they may be
+    coroutines). ``on_end`` runs once, with the reason, when the session ends.
+    """
+
+    def __init__(
+        self, ch: Channel, interval: float, timeout: float, handlers: dict[int, Callable[..., Any]],
+        on_end: Callable[[HixlError], None], label: str,
+    ) -> None:
+        self.ch = ch
+        self.interval = interval
+        self.timeout = timeout
+        self.handlers = handlers
+        self.on_end = on_end
+        self.label = label
+        self.scope: anyio.CancelScope | None = None
+        self.ended: HixlError | None = None
+
+    async def run(self) -> None:
+        reason: HixlError = ConnectionLost(f"{self.label}: control connection closed")
+        try:
+            with anyio.CancelScope() as self.scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._pinger)
+                    reason = await self._reader()
+                    tg.cancel_scope.cancel()
+        except BaseException as exc:  # noqa: BLE001 - every way out ends the session
+            if isinstance(exc, HixlError):
+                reason = exc
+            elif not isinstance(exc, (Exception, anyio.get_cancelled_exc_class())):
+                raise
+        finally:
+            if self.ended is None:
+                self.ended = reason
+                self.on_end(reason)
+            await self.ch.aclose()
+
+    async def _reader(self) -> HixlError:
+        while True:
+            try:
+                with anyio.fail_after(self.timeout):
+                    ftype, r = await self.ch.recv(w.MAX_FRAME)
+            except TimeoutError:
+                return ConnectionLost(f"{self.label}: no heartbeat for {self.timeout} s")
+            except _STREAM_ERRORS:
+                return ConnectionLost(f"{self.label}: control connection lost")
+            except ProtocolError as exc:
+                return ProtocolError(f"{self.label}: {exc}")
+            if ftype == w.BYE:
+                return ConnectionLost(f"{self.label}: the peer closed the connection")
+            if ftype == w.PING:
+                r.end()
+                continue
+            handler = self.handlers.get(ftype)
+            if handler is None:
+                return ProtocolError(f"{self.label}: unexpected {w.NAMES[ftype]} frame")
+            try:
+                result = handler(r)
+                if result is not None:
+                    await result
+            except ProtocolError as exc:
+                return ProtocolError(f"{self.label}: {exc}")
+
+    async def _pinger(self) -> None:
+        ping = w.Writer().frame(w.PING)
+        while True:
+            await anyio.sleep(self.interval)
+            try:
+                with anyio.fail_after(self.timeout):
+                    await self.ch.send(ping)
+            except (TimeoutError, *_STREAM_ERRORS):
+                if self.scope is not None:
+                    self.scope.cancel()
+                return
+
+    async def send(self, frame: bytes) -> None:
+        try:
+            await self.ch.send(frame)
+        except _STREAM_ERRORS:
+            raise ConnectionLost(f"{self.label}: control connection lost") from None
+
+    def cancel(self) -> None:
+        if self.scope is not None:
+            self.scope.cancel()
+

@@ -1,0 +1,70 @@
+"""A target agent in its own process, driven over stdin/stdout with JSON lines.
+
+    python -m tests.target --token T [--listen HOST:PORT] [--transports tcp]
+
+It prints {"address": ...} once listening, then answers one line per command:
+alloc (name, size, access, seed), register (same, over a numpy array), hash
+(name, offset, len), close (name), exit. The test process checks the target's
+memory through these answers, never through the library under test.
+"""
+
+import argparse
+import asyncio
+import hashlib
+import json
+import sys
+
+import numpy as np
+
+import aiohixl
+from aiohixl import Access
+
+
+def pattern(size: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--token", required=True)
+    p.add_argument("--listen", default="127.0.0.1:0")
+    p.add_argument("--heartbeat", type=float, default=1.0)
+    args = p.parse_args()
+    async with aiohixl.Agent("target", listen=args.listen, token=args.token,
+                             heartbeat_interval=args.heartbeat, heartbeat_timeout=args.heartbeat * 3) as agent:
+        regions = {}
+        arrays = {}
+        print(json.dumps({"address": agent.address}), flush=True)
+        while True:
+            line = await asyncio.to_thread(sys.stdin.readline)
+            if not line:
+                return
+            cmd = json.loads(line)
+            op = cmd["op"]
+            out: dict = {"ok": True}
+            if op in ("alloc", "register"):
+                access = Access(cmd.get("access", 3))
+                if op == "alloc":
+                    region = agent.allocate(cmd["size"], name=cmd["name"], access=access)
+                    view = np.frombuffer(region.memory, dtype=np.uint8)
+                else:
+                    view = np.zeros(cmd["size"], dtype=np.uint8)
+                    region = agent.register(view, name=cmd["name"], access=access)
+                if cmd.get("seed") is not None:
+                    view[:] = pattern(cmd["size"], cmd["seed"])
+                regions[cmd["name"]] = region
+                arrays[cmd["name"]] = view
+                out["descriptor"] = region.descriptor().hex()
+            elif op == "hash":
+                view = arrays[cmd["name"]]
+                out["sha256"] = hashlib.sha256(view[cmd["offset"] : cmd["offset"] + cmd["len"]]).hexdigest()
+            elif op == "close":
+                await regions.pop(cmd["name"]).close()
+            elif op == "exit":
+                print(json.dumps(out), flush=True)
+                return
+            print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
