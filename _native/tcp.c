@@ -33,7 +33,8 @@
 #define HX_TCP_CHUNK (1u << 20)
 #define OUTQ_HIGH 512      /* target stops reading requests above this many queued responses */
 #define MAX_IOV 64
-#define SPIN_NS 50000      /* after activity, poll this long before blocking */
+#define SPIN_NS 50000
+#define HX_INLINE_SEND (256u * 1024u) /* bytes a submitting thread may send itself */      /* after activity, poll this long before blocking */
 
 enum { W_PUT = 1, W_GET = 2 };
 enum { R_ACK = 1, R_DATA = 2 };
@@ -152,11 +153,11 @@ static void frame_free(hx_agent *a, frame *f, int status)
     free(f);
 }
 
-/* Sends what can be sent without blocking. Caller holds c->lock.
- * Returns 0, or -1 when the connection is broken. */
-static int flush_locked(hx_agent *a, conn *c)
+/* Sends what can be sent without blocking, at most budget bytes. Caller holds
+ * c->lock. Returns 0, or -1 when the connection is broken. */
+static int flush_budget(hx_agent *a, conn *c, uint64_t budget)
 {
-    while (c->unsent && !c->broken) {
+    while (c->unsent && !c->broken && budget) {
         struct iovec iov[MAX_IOV];
         int n = 0;
         for (frame *f = c->unsent; f && n + 2 <= MAX_IOV; f = f->next) {
@@ -182,6 +183,7 @@ static int flush_locked(hx_agent *a, conn *c)
             return -1;
         }
         uint64_t left = (uint64_t)w;
+        budget = budget > left ? budget - left : 0;
         while (left && c->unsent) {
             frame *f = c->unsent;
             uint64_t need = f->hdrlen + f->datalen - f->sent;
@@ -203,6 +205,11 @@ static int flush_locked(hx_agent *a, conn *c)
     }
     update_interest(a, c);
     return 0;
+}
+
+static int flush_locked(hx_agent *a, conn *c)
+{
+    return flush_budget(a, c, UINT64_MAX);
 }
 
 static void append_locked(conn *c, frame *first, frame *last, uint32_t count)
@@ -496,6 +503,13 @@ static void *io_main(void *arg)
             }
             if (c->broken)
                 continue;
+            /* A failure asked for (a local close) wins over what the socket says. */
+            int req = atomic_exchange(&c->fail_req, 0);
+            if (req) {
+                conn_fail(a, c, req);
+                sweep_needed = true;
+                continue;
+            }
             uint32_t e = evs[i].events;
             if (e & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
                 int rc = conn_read(a, c);
@@ -779,7 +793,9 @@ static int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, 
             rc = HX_E_CONNLOST;
         } else {
             append_locked(c, first, last, count);
-            if (flush_locked(a, c) < 0) {
+            /* Small ops go out on this thread; the I/O thread streams the
+             * rest, so the caller's event loop never waits on a big send. */
+            if (flush_budget(a, c, HX_INLINE_SEND) < 0) {
                 /* The I/O thread fails this op with the rest. */
                 atomic_store(&c->fail_req, HX_E_CONNLOST);
                 io_wake(a->io);

@@ -134,8 +134,10 @@ class Agent:
         if self._listener is not None:
             await self._listener.aclose()
         for peer in list(self._peers):
-            peer._end_session()
+            # Closed before its session ends, so its ops fail as closed, not lost.
+            peer._closed = True
             lib.hx_peer_close(peer._handle)
+            peer._end_session()
         await self._engine.shutdown()
         for peer in list(self._peers):
             peer._free()

@@ -216,7 +216,12 @@ class Peer:
             self._handle, opcode, sges, n, keep, what, lambda: _release(keep)
         )
         if waiter is not None:
-            await engine.wait(waiter, timeout, what)
+            try:
+                await engine.wait(waiter, timeout, what)
+            except ConnectionLost:
+                if self._broken is not None:  # say why, when the control plane knows
+                    raise self._lost(what) from None
+                raise
 
     def _remote_slice(self, remote: Any, what: str) -> RemoteSlice:
         if isinstance(remote, RemoteRegion):

@@ -58,6 +58,15 @@ async def main() -> None:
             elif op == "hash":
                 view = arrays[cmd["name"]]
                 out["sha256"] = hashlib.sha256(view[cmd["offset"] : cmd["offset"] + cmd["len"]]).hexdigest()
+            elif op == "pump":
+                # Puts into a region of the test process while it puts into ours.
+                peer = await agent.connect(cmd["address"])
+                remote = await peer.region(cmd["name"])
+                size, count = cmd["size"], cmd["count"]
+                src = agent.register(pattern(size * count, cmd["seed"]))
+                await asyncio.gather(*(peer.put(remote[i * size : (i + 1) * size], src[i * size : (i + 1) * size])
+                                       for i in range(count)))
+                await peer.aclose()
             elif op == "close":
                 await regions.pop(cmd["name"]).close()
             elif op == "exit":

@@ -1,0 +1,73 @@
+"""A target agent in another process (tests/target.py), driven from a test."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import anyio
+import numpy as np
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "test-token-4f1d"
+
+
+def pattern(size: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def sha(arr) -> str:
+    return hashlib.sha256(np.ascontiguousarray(arr)).hexdigest()
+
+
+class Target:
+    def __init__(self, proc, out, address: str) -> None:
+        self.proc = proc
+        self.out = out
+        self.address = address
+        self.port = int(address.rpartition(":")[2])
+
+    @classmethod
+    async def start(cls, listen: str = "127.0.0.1:0", heartbeat: float = 1.0, token: str = TOKEN) -> Target:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = await anyio.open_process(
+            [sys.executable, "-m", "tests.target", "--token", token, "--listen", listen,
+             "--heartbeat", str(heartbeat)],
+            cwd=ROOT, env=env, stderr=None,
+        )
+        out = BufferedByteReceiveStream(proc.stdout)
+        with anyio.fail_after(30):
+            first = json.loads(await out.receive_until(b"\n", 1 << 20))
+        return cls(proc, out, first["address"])
+
+    async def cmd(self, **kw) -> dict:
+        await self.proc.stdin.send((json.dumps(kw) + "\n").encode())
+        with anyio.fail_after(60):
+            reply = json.loads(await self.out.receive_until(b"\n", 1 << 20))
+        assert reply.get("ok"), reply
+        return reply
+
+    async def alloc(self, name: str, size: int, *, access: int = 3, seed: int | None = None, kind: str = "alloc"):
+        return await self.cmd(op=kind, name=name, size=size, access=access, seed=seed)
+
+    async def hash(self, name: str, offset: int, length: int) -> str:
+        return (await self.cmd(op="hash", name=name, offset=offset, len=length))["sha256"]
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+
+    async def aclose(self) -> None:
+        if self.proc.returncode is None:
+            try:
+                with anyio.fail_after(10):
+                    await self.cmd(op="exit")
+            except Exception:  # noqa: BLE001
+                self.kill()
+        with anyio.CancelScope(shield=True):
+            await self.proc.wait()
+            await self.proc.aclose()
