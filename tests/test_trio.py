@@ -83,3 +83,30 @@ def test_cancellation_on_trio():
                     await trio.sleep(0.01)
 
     run(main)
+
+
+def test_two_process_put_get_on_trio():
+    from .harness import TOKEN, Target, pattern, sha
+
+    async def main():
+        target = await Target.start()
+        try:
+            await target.alloc("kv", 8 << 20)
+            async with aiohixl.Agent("trio-init", token=TOKEN) as agent:
+                peer = await agent.connect(target.address)
+                kv = await peer.region("kv")
+                src = agent.register(pattern(8 << 20, 31))
+                await peer.put(kv[:4096], src[:4096])
+                await peer.put(kv, src)
+                assert await target.hash("kv", 0, 8 << 20) == sha(pattern(8 << 20, 31))
+                back = agent.register(np.zeros(8 << 20, dtype=np.uint8))
+                await peer.get_many([(back[:1 << 20], kv[:1 << 20]), (back[1 << 20 :], kv[1 << 20 :])])
+                assert np.array_equal(back.memory, pattern(8 << 20, 31))
+                async with trio.open_nursery() as nursery:
+                    for i in range(100):
+                        nursery.start_soon(peer.put, kv[i * 4096 : (i + 1) * 4096], src[:4096])
+                assert await target.hash("kv", 99 * 4096, 4096) == sha(pattern(4096, 31))
+        finally:
+            await target.aclose()
+
+    run(main)

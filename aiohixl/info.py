@@ -1,0 +1,77 @@
+"""What this machine offers aiohixl: ``python -m aiohixl info``."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from dataclasses import dataclass
+
+from . import __version__
+
+_IB_SYSFS = "/sys/class/infiniband"
+
+
+@dataclass
+class TransportStatus:
+    name: str
+    available: bool
+    detail: str
+
+
+def rdma_devices() -> list[tuple[str, list[str]]]:
+    """``(device, ["port 1: ACTIVE (RoCE)", ...])`` for each RDMA device the kernel shows."""
+    out = []
+    try:
+        names = sorted(os.listdir(_IB_SYSFS))
+    except OSError:
+        return out
+    for dev in names:
+        ports = []
+        pdir = os.path.join(_IB_SYSFS, dev, "ports")
+        for port in sorted(os.listdir(pdir), key=int) if os.path.isdir(pdir) else []:
+            state = _read(os.path.join(pdir, port, "state")).partition(":")[2].strip() or "?"
+            layer = _read(os.path.join(pdir, port, "link_layer")) or "?"
+            ports.append(f"port {port}: {state} ({layer})")
+        out.append((dev, ports))
+    return out
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def transports() -> list[TransportStatus]:
+    result = [
+        TransportStatus("loopback", True, "ops between regions of one agent"),
+        TransportStatus("tcp", True, "any two hosts; native epoll I/O thread"),
+        TransportStatus("shm", False, "not in this version yet"),
+    ]
+    lib = ctypes.util.find_library("ibverbs")
+    devices = rdma_devices()
+    if lib is None:
+        verbs = TransportStatus("verbs", False, "libibverbs not installed (apt install libibverbs1)")
+    elif not devices:
+        verbs = TransportStatus("verbs", False, "no RDMA device (/sys/class/infiniband is empty)")
+    else:
+        verbs = TransportStatus("verbs", False, f"{lib} and {len(devices)} device(s) found; not in this version yet")
+    result.append(verbs)
+    return result
+
+
+def render() -> str:
+    lines = [f"aiohixl {__version__}", "", "transports:"]
+    for t in transports():
+        mark = "yes" if t.available else "no "
+        lines.append(f"  {t.name:<9} {mark}  {t.detail}")
+    lines += ["", "RDMA devices:"]
+    devices = rdma_devices()
+    if not devices:
+        lines.append("  none")
+    for dev, ports in devices:
+        lines.append(f"  {dev}: " + ("; ".join(ports) or "no ports"))
+    return "\n".join(lines)
