@@ -9,7 +9,7 @@ import re
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ["core.c", "loopback.c", "tcp.c"]
+SOURCES = ["core.c", "copy.c", "loopback.c", "shm.c", "tcp.c"]
 
 
 def _cdef() -> str:

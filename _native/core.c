@@ -6,73 +6,94 @@
 #include <unistd.h>
 #include <sys/eventfd.h>
 
-/* ---------- registry ---------- */
+/* ---------- registries ---------- */
 
-static hx_region **bucket_of(hx_agent *a, uint32_t id)
+void hx_reg_init(hx_registry *reg)
 {
-    return &a->buckets[id % HX_REGION_BUCKETS];
+    pthread_mutex_init(&reg->lock, NULL);
+    pthread_cond_init(&reg->idle, NULL);
+    memset(reg->buckets, 0, sizeof reg->buckets);
 }
 
-static hx_region *find_region(hx_agent *a, uint32_t id)
+void hx_reg_destroy(hx_registry *reg)
 {
-    for (hx_region *r = *bucket_of(a, id); r; r = r->next)
+    for (int i = 0; i < HX_REGION_BUCKETS; i++) {
+        hx_region *r = reg->buckets[i];
+        while (r) {
+            hx_region *next = r->next;
+            free(r);
+            r = next;
+        }
+        reg->buckets[i] = NULL;
+    }
+}
+
+static hx_region **bucket_of(hx_registry *reg, uint32_t id)
+{
+    return &reg->buckets[id % HX_REGION_BUCKETS];
+}
+
+static hx_region *find_region(hx_registry *reg, uint32_t id)
+{
+    for (hx_region *r = *bucket_of(reg, id); r; r = r->next)
         if (r->id == id)
             return r;
     return NULL;
 }
 
-int hx_region_add(hx_agent *a, uint32_t id, uint64_t addr, uint64_t len, uint32_t access)
+int hx_reg_add(hx_registry *reg, uint32_t id, uint8_t *base, uint64_t len, uint32_t access, int kind)
 {
-    if (addr == 0 && len != 0)
+    if (!base && len != 0)
         return HX_E_INVAL;
-    if (addr + len < addr)
+    if ((uintptr_t)base + len < (uintptr_t)base)
         return HX_E_INVAL;
     hx_region *r = calloc(1, sizeof *r);
     if (!r)
         return HX_E_NOMEM;
+    r->reg = reg;
     r->id = id;
     r->access = access;
-    r->base = (uint8_t *)(uintptr_t)addr;
+    r->base = base;
     r->len = len;
-    pthread_mutex_lock(&a->lock);
-    if (find_region(a, id)) {
-        pthread_mutex_unlock(&a->lock);
+    r->kind = (uint8_t)kind;
+    pthread_mutex_lock(&reg->lock);
+    if (find_region(reg, id)) {
+        pthread_mutex_unlock(&reg->lock);
         free(r);
         return HX_E_INVAL;
     }
-    hx_region **b = bucket_of(a, id);
+    hx_region **b = bucket_of(reg, id);
     r->next = *b;
     *b = r;
-    pthread_mutex_unlock(&a->lock);
+    pthread_mutex_unlock(&reg->lock);
     return HX_OK;
 }
 
-static void unlink_region(hx_agent *a, hx_region *r)
+int hx_reg_remove(hx_registry *reg, uint32_t id, int wait, uint8_t **base, uint64_t *len)
 {
-    for (hx_region **pp = bucket_of(a, r->id); *pp; pp = &(*pp)->next)
-        if (*pp == r) {
-            *pp = r->next;
-            return;
-        }
-}
-
-int hx_region_remove(hx_agent *a, uint32_t id, int wait)
-{
-    pthread_mutex_lock(&a->lock);
-    hx_region *r = find_region(a, id);
+    pthread_mutex_lock(&reg->lock);
+    hx_region *r = find_region(reg, id);
     if (!r) {
-        pthread_mutex_unlock(&a->lock);
+        pthread_mutex_unlock(&reg->lock);
         return HX_E_NOREGION;
     }
     r->removed = true;
     while (r->busy && wait)
-        pthread_cond_wait(&a->region_idle, &a->lock);
+        pthread_cond_wait(&reg->idle, &reg->lock);
     if (r->busy) {
-        pthread_mutex_unlock(&a->lock);
+        pthread_mutex_unlock(&reg->lock);
         return HX_E_BUSY;
     }
-    unlink_region(a, r);
-    pthread_mutex_unlock(&a->lock);
+    for (hx_region **pp = bucket_of(reg, id); *pp; pp = &(*pp)->next)
+        if (*pp == r) {
+            *pp = r->next;
+            break;
+        }
+    pthread_mutex_unlock(&reg->lock);
+    if (base)
+        *base = r->base;
+    if (len)
+        *len = r->len;
     free(r);
     return HX_OK;
 }
@@ -88,35 +109,54 @@ static int check_locked(hx_region *r, uint64_t off, uint64_t len, uint32_t need)
     return HX_OK;
 }
 
-int hx_region_check(hx_agent *a, uint32_t id, uint64_t off, uint64_t len, uint32_t need)
+int hx_reg_acquire(hx_registry *reg, uint32_t id, uint64_t off, uint64_t len,
+                   uint32_t need, uint8_t **ptr, hx_region **out)
 {
-    pthread_mutex_lock(&a->lock);
-    int rc = check_locked(find_region(a, id), off, len, need);
-    pthread_mutex_unlock(&a->lock);
-    return rc;
-}
-
-int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len,
-                      uint32_t need, uint8_t **ptr, hx_region **out)
-{
-    pthread_mutex_lock(&a->lock);
-    hx_region *r = find_region(a, id);
+    pthread_mutex_lock(&reg->lock);
+    hx_region *r = find_region(reg, id);
     int rc = check_locked(r, off, len, need);
     if (rc == HX_OK) {
         r->busy++;
         *ptr = r->base + off;
         *out = r;
     }
-    pthread_mutex_unlock(&a->lock);
+    pthread_mutex_unlock(&reg->lock);
     return rc;
 }
 
-void hx_region_release(hx_agent *a, hx_region *r)
+void hx_region_release(hx_region *r)
 {
-    pthread_mutex_lock(&a->lock);
+    hx_registry *reg = r->reg;
+    pthread_mutex_lock(&reg->lock);
     if (--r->busy == 0 && r->removed)
-        pthread_cond_broadcast(&a->region_idle);
-    pthread_mutex_unlock(&a->lock);
+        pthread_cond_broadcast(&reg->idle);
+    pthread_mutex_unlock(&reg->lock);
+}
+
+/* The agent's own memory. */
+
+int hx_region_add(hx_agent *a, uint32_t id, uint64_t addr, uint64_t len, uint32_t access)
+{
+    return hx_reg_add(&a->regs, id, (uint8_t *)(uintptr_t)addr, len, access, HX_MEM_DIRECT);
+}
+
+int hx_region_remove(hx_agent *a, uint32_t id, int wait)
+{
+    return hx_reg_remove(&a->regs, id, wait, NULL, NULL);
+}
+
+int hx_region_check(hx_agent *a, uint32_t id, uint64_t off, uint64_t len, uint32_t need)
+{
+    pthread_mutex_lock(&a->regs.lock);
+    int rc = check_locked(find_region(&a->regs, id), off, len, need);
+    pthread_mutex_unlock(&a->regs.lock);
+    return rc;
+}
+
+int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len,
+                      uint32_t need, uint8_t **ptr, hx_region **out)
+{
+    return hx_reg_acquire(&a->regs, id, off, len, need, ptr, out);
 }
 
 /* ---------- completion ring ---------- */
@@ -178,7 +218,7 @@ int hx_agent_wake_fd(hx_agent *a)
 void hx_job_release(hx_agent *a, hx_job *job)
 {
     for (uint32_t i = 0; i < job->nregions; i++)
-        hx_region_release(a, job->regions[i]);
+        hx_region_release(job->regions[i]);
     /* Regions are released before the completion is seen, so a region close
      * that waits on the completion never waits on a still-busy region. */
     hx_complete(a, job->op_id, atomic_load(&job->status));
@@ -191,8 +231,12 @@ static void finish_task(hx_agent *a, hx_task *t, int status)
     if (status != HX_OK)
         atomic_store(&job->status, status);
     free(t);
-    if (atomic_fetch_sub(&job->remaining, 1) == 1)
+    if (atomic_fetch_sub(&job->remaining, 1) == 1) {
+        int failed = job->peer_failed ? atomic_load(job->peer_failed) : 0;
+        if (failed)
+            atomic_store(&job->status, failed);
         hx_job_release(a, job);
+    }
 }
 
 static void *pool_main(void *arg)
@@ -210,12 +254,14 @@ static void *pool_main(void *arg)
             a->task_tail = NULL;
         bool closing = a->closing;
         pthread_mutex_unlock(&a->pool_lock);
+        hx_job *job = t->job;
+        int failed = job->peer_failed ? atomic_load(job->peer_failed) : 0;
         if (closing)
             finish_task(a, t, HX_E_CLOSED);
-        else {
-            memcpy(t->dst, t->src, t->len);
-            finish_task(a, t, HX_OK);
-        }
+        else if (failed)
+            finish_task(a, t, failed);
+        else
+            finish_task(a, t, hx_copy_run(t->opcode, t->pid, t->dst, t->src, t->len));
         pthread_mutex_lock(&a->pool_lock);
     }
     pthread_mutex_unlock(&a->pool_lock);
@@ -235,7 +281,7 @@ void hx_pool_submit(hx_agent *a, hx_job *job, hx_task *first, hx_task *last)
     (void)job;
 }
 
-void hx_pool_fail_peer(hx_agent *a, uint64_t peer_id)
+void hx_pool_fail_peer(hx_agent *a, uint64_t peer_id, int status)
 {
     hx_task *failed = NULL;
     pthread_mutex_lock(&a->pool_lock);
@@ -255,7 +301,7 @@ void hx_pool_fail_peer(hx_agent *a, uint64_t peer_id)
     pthread_mutex_unlock(&a->pool_lock);
     while (failed) {
         hx_task *next = failed->next;
-        finish_task(a, failed, HX_E_CLOSED);
+        finish_task(a, failed, status);
         failed = next;
     }
 }
@@ -281,8 +327,7 @@ hx_agent *hx_agent_new(uint32_t ring_capacity, uint32_t copy_threads, int *statu
         *status = HX_E_SYS;
         goto fail;
     }
-    pthread_mutex_init(&a->lock, NULL);
-    pthread_cond_init(&a->region_idle, NULL);
+    hx_reg_init(&a->regs);
     pthread_mutex_init(&a->ring_lock, NULL);
     pthread_cond_init(&a->ring_space, NULL);
     pthread_mutex_init(&a->pool_lock, NULL);
@@ -330,14 +375,7 @@ void hx_agent_free(hx_agent *a)
         return;
     hx_agent_shutdown(a);
     hx_io_free(a);
-    for (int i = 0; i < HX_REGION_BUCKETS; i++) {
-        hx_region *r = a->buckets[i];
-        while (r) {
-            hx_region *next = r->next;
-            free(r);
-            r = next;
-        }
-    }
+    hx_reg_destroy(&a->regs);
     close(a->wake_fd);
     free(a->ring);
     free(a->threads);
@@ -364,12 +402,16 @@ void hx_peer_init(hx_peer *p, hx_agent *a, const hx_peer_ops *ops)
     p->agent = a;
     p->id = atomic_fetch_add(&a->next_peer_id, 1);
     atomic_init(&p->closed, false);
+    atomic_init(&p->failed, 0);
 }
 
 int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n)
 {
     if (atomic_load(&p->closed))
         return HX_E_CLOSED;
+    int failed = atomic_load(&p->failed);
+    if (failed)
+        return failed;
     if (opcode != HX_OP_PUT && opcode != HX_OP_GET)
         return HX_E_INVAL;
     if (n == 0)
@@ -381,14 +423,16 @@ void hx_peer_close(hx_peer *p)
 {
     if (atomic_exchange(&p->closed, true))
         return;
-    p->ops->fail(p, HX_E_CLOSED);
+    hx_peer_fail(p, HX_E_CLOSED);
 }
 
 void hx_peer_fail(hx_peer *p, int status)
 {
     if (status >= 0)
         status = HX_E_CONNLOST;
-    p->ops->fail(p, status);
+    int expected = 0;
+    if (atomic_compare_exchange_strong(&p->failed, &expected, status))
+        p->ops->fail(p, status);
 }
 
 void hx_peer_free(hx_peer *p)

@@ -80,6 +80,16 @@ int hx_tcp_serve_fd(hx_agent *a, int fd, uint64_t session, const uint8_t *first,
 /* Closes every served connection of a session (its control connection ended). */
 void hx_tcp_drop_session(hx_agent *a, uint64_t session);
 
+/* Same-host peer (process pid). map: a memfd region of the peer, mapped here
+ * (the fd is not kept). attach: a range of the peer's address space, reached
+ * with cross-memory attach. forget: withdraws either; with wait != 0 blocks
+ * until no op uses it. probe: reads len bytes at addr of pid (0 or -errno). */
+hx_peer *hx_shm_new(hx_agent *a, int pid, int *status);
+int hx_shm_map(hx_peer *p, uint32_t region, int fd, uint64_t size, uint32_t access);
+int hx_shm_attach(hx_peer *p, uint32_t region, uint64_t addr, uint64_t size, uint32_t access);
+int hx_shm_forget(hx_peer *p, uint32_t region, int wait);
+int hx_cma_probe(int pid, uint64_t addr, uint8_t *out, uint32_t len);
+
 /* Touches every page so later copies do not pay page faults. */
 void hx_prefault(void *addr, uint64_t len, int write);
 /* CDEF-END */

@@ -9,29 +9,48 @@
 
 #define HX_REGION_BUCKETS 256
 
+typedef struct hx_registry hx_registry;
+
 typedef struct hx_region {
     struct hx_region *next; /* bucket chain */
+    hx_registry *reg;
     uint32_t id;
     uint32_t access;
     uint8_t *base;
     uint64_t len;
-    uint32_t busy;          /* accesses in progress; guarded by agent->lock */
+    uint32_t busy;          /* accesses in progress; guarded by reg->lock */
     bool removed;
+    uint8_t kind;           /* HX_MEM_*: how the bytes are reached */
 } hx_region;
 
-/* A unit of copying for the pool: one piece of one job. */
+enum { HX_MEM_DIRECT = 0, /* mapped in this process: memcpy */
+       HX_MEM_CMA = 1     /* another process's address: process_vm_readv/writev */ };
+
+/* Regions by id, each with a count of the accesses in progress. The agent's
+ * own memory is one; a same-host peer's mappings of remote memory another. */
+struct hx_registry {
+    pthread_mutex_t lock;
+    pthread_cond_t idle;    /* some region's busy count fell to zero */
+    hx_region *buckets[HX_REGION_BUCKETS];
+};
+
+/* A unit of copying for the pool: one piece of one job. With pid != 0 the
+ * remote end (dst for a put, src for a get) is in process pid. */
 typedef struct hx_task {
     struct hx_task *next;
     struct hx_job *job;
     uint8_t *dst;
     const uint8_t *src;
     uint64_t len;
+    int pid;
+    int opcode;
 } hx_task;
 
 /* One op on the copy pool: completes when its last task is done. */
 typedef struct hx_job {
     uint64_t op_id;
     uint64_t peer_id;
+    atomic_int *peer_failed; /* non-zero: the peer broke, the op fails with it */
     atomic_int remaining;
     atomic_int status;
     uint32_t nregions;
@@ -49,12 +68,11 @@ struct hx_peer {
     hx_agent *agent;
     uint64_t id;
     atomic_bool closed;
+    atomic_int failed; /* first failure status, 0 while healthy */
 };
 
 struct hx_agent {
-    pthread_mutex_t lock;          /* registry */
-    pthread_cond_t region_idle;    /* a region's busy count fell to zero */
-    hx_region *buckets[HX_REGION_BUCKETS];
+    hx_registry regs;
 
     /* completion ring */
     pthread_mutex_t ring_lock;
@@ -78,14 +96,27 @@ struct hx_agent {
     struct hx_io *io;
 };
 
-/* registry.c / core.c */
+/* core.c: registries */
+void hx_reg_init(hx_registry *reg);
+void hx_reg_destroy(hx_registry *reg);
+int hx_reg_add(hx_registry *reg, uint32_t id, uint8_t *base, uint64_t len, uint32_t access, int kind);
+/* Withdraws; with wait, blocks until idle. On HX_OK, base and len say what it was. */
+int hx_reg_remove(hx_registry *reg, uint32_t id, int wait, uint8_t **base, uint64_t *len);
+int hx_reg_acquire(hx_registry *reg, uint32_t id, uint64_t off, uint64_t len,
+                   uint32_t need, uint8_t **ptr, hx_region **out);
 int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len,
                       uint32_t need, uint8_t **ptr, hx_region **out);
-void hx_region_release(hx_agent *a, hx_region *r);
+void hx_region_release(hx_region *r);
 void hx_complete(hx_agent *a, uint64_t op_id, int status);
 /* Queues a job's copies on the pool; the pool completes the job. */
 void hx_pool_submit(hx_agent *a, hx_job *job, hx_task *first, hx_task *last);
-void hx_pool_fail_peer(hx_agent *a, uint64_t peer_id);
+void hx_pool_fail_peer(hx_agent *a, uint64_t peer_id, int status);
+/* copy.c: an op whose remote memory is in `remote` (mapped here, or another
+ * process's via cross-memory attach with pid): inline when small, else pool. */
+int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t op_id,
+                 const hx_sge *sges, uint32_t n);
+/* copy.c: one copy; the remote end is in process pid when pid != 0. */
+int hx_copy_run(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len);
 void hx_job_release(hx_agent *a, hx_job *job);
 void hx_peer_init(hx_peer *p, hx_agent *a, const hx_peer_ops *ops);
 /* tcp.c: stops the I/O thread, failing every tcp op with HX_E_CLOSED. */

@@ -137,7 +137,7 @@ static void op_piece_done(hx_agent *a, tcp_op *op, int status)
         op->status = status;
     if (--op->remaining == 0) {
         for (uint32_t i = 0; i < op->nregions; i++)
-            hx_region_release(a, op->regions[i]);
+            hx_region_release(op->regions[i]);
         hx_complete(a, op->op_id, op->status);
         free(op);
     }
@@ -148,7 +148,7 @@ static void frame_free(hx_agent *a, frame *f, int status)
     if (f->op)
         op_piece_done(a, f->op, status);
     if (f->region)
-        hx_region_release(a, f->region);
+        hx_region_release(f->region);
     free(f->owned);
     free(f);
 }
@@ -248,7 +248,7 @@ static void conn_fail(hx_agent *a, conn *c, int status)
         f = next;
     }
     if (c->rregion) {
-        hx_region_release(a, c->rregion);
+        hx_region_release(c->rregion);
         c->rregion = NULL;
     }
 }
@@ -261,7 +261,7 @@ static int enqueue_response(hx_agent *a, conn *c, int kind, int status, uint64_t
     frame *f = calloc(1, sizeof *f);
     if (!f) {
         if (region)
-            hx_region_release(a, region);
+            hx_region_release(region);
         return -2;
     }
     put32(f->hdr, WIRE_MAGIC);
@@ -312,7 +312,7 @@ static int target_request(hx_agent *a, conn *c)
 static int target_payload_done(hx_agent *a, conn *c)
 {
     if (c->rregion) {
-        hx_region_release(a, c->rregion);
+        hx_region_release(c->rregion);
         c->rregion = NULL;
     }
     c->in_payload = false;
@@ -811,7 +811,7 @@ static int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, 
         first = next;
     }
     for (uint32_t i = 0; i < op->nregions; i++)
-        hx_region_release(a, op->regions[i]);
+        hx_region_release(op->regions[i]);
     free(op);
     return rc;
 }

@@ -1,0 +1,154 @@
+/* Ops that are memory copies: loopback (both ends in this agent) and same-host
+ * peers (the remote end mapped here, or reached with cross-memory attach).
+ * Small ops copy on the caller's thread; large ones are cut into pieces that
+ * the copy pool's threads share. */
+#include "internal.h"
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+
+int hx_copy_run(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len)
+{
+    if (!pid) {
+        memmove(dst, src, len);
+        return HX_OK;
+    }
+    /* Cross-memory attach moves at most what the kernel takes per call. */
+    while (len) {
+        struct iovec local, remote;
+        ssize_t n;
+        if (opcode == HX_OP_PUT) {
+            local = (struct iovec){(void *)src, len};
+            remote = (struct iovec){dst, len};
+            n = process_vm_writev(pid, &local, 1, &remote, 1, 0);
+        } else {
+            local = (struct iovec){dst, len};
+            remote = (struct iovec){(void *)src, len};
+            n = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+        }
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == ESRCH)
+                return HX_E_CONNLOST; /* the target process is gone */
+            if (errno == EPERM)
+                return HX_E_ACCESS;
+            return HX_E_REMOTE; /* EFAULT: the target's memory is not there */
+        }
+        if (n == 0)
+            return HX_E_REMOTE;
+        dst += n;
+        src += n;
+        len -= (uint64_t)n;
+    }
+    return HX_OK;
+}
+
+/* Checks both ends of every piece before anything is copied: a refused op
+ * leaves all memory as it was. */
+static int acquire_all(hx_agent *a, hx_registry *remote, int opcode, const hx_sge *sges,
+                       uint32_t n, hx_region **regions, uint8_t **dst, const uint8_t **src)
+{
+    uint32_t need = opcode == HX_OP_PUT ? HX_ACCESS_REMOTE_WRITE : HX_ACCESS_REMOTE_READ;
+    for (uint32_t i = 0; i < n; i++) {
+        uint8_t *local, *far;
+        int rc = hx_region_acquire(a, sges[i].local_region, sges[i].local_off, sges[i].len, 0,
+                                   &local, &regions[2 * i]);
+        if (rc == HX_OK) {
+            rc = hx_reg_acquire(remote, sges[i].remote_region, sges[i].remote_off, sges[i].len,
+                                need, &far, &regions[2 * i + 1]);
+            if (rc != HX_OK)
+                hx_region_release(regions[2 * i]);
+        }
+        if (rc != HX_OK) {
+            for (uint32_t j = 0; j < 2 * i; j++)
+                hx_region_release(regions[j]);
+            return rc;
+        }
+        dst[i] = opcode == HX_OP_PUT ? far : local;
+        src[i] = opcode == HX_OP_PUT ? local : far;
+    }
+    return HX_OK;
+}
+
+static void free_tasks(hx_task *t)
+{
+    while (t) {
+        hx_task *next = t->next;
+        free(t);
+        t = next;
+    }
+}
+
+int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t op_id,
+                 const hx_sge *sges, uint32_t n)
+{
+    hx_agent *a = p->agent;
+    hx_job *job = calloc(1, sizeof *job + 2 * n * sizeof(hx_region *));
+    uint8_t **dst = malloc(n * sizeof *dst);
+    const uint8_t **src = malloc(n * sizeof *src);
+    int rc = HX_E_NOMEM;
+    if (!job || !dst || !src)
+        goto out;
+    rc = acquire_all(a, remote, opcode, sges, n, job->regions, dst, src);
+    if (rc != HX_OK)
+        goto out;
+    job->nregions = 2 * n;
+    job->op_id = op_id;
+    job->peer_id = p->id;
+    job->peer_failed = &p->failed;
+    atomic_init(&job->status, HX_OK);
+
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < n; i++)
+        total += sges[i].len;
+    if (total <= HX_INLINE_COPY_MAX) {
+        /* Cheaper than waking a pool thread and the event loop. */
+        rc = HX_DONE_INLINE;
+        for (uint32_t i = 0; i < n && rc == HX_DONE_INLINE; i++) {
+            int s = hx_copy_run(opcode, pid, dst[i], (const uint8_t *)src[i], sges[i].len);
+            if (s != HX_OK)
+                rc = s;
+        }
+        for (uint32_t i = 0; i < job->nregions; i++)
+            hx_region_release(job->regions[i]);
+        goto out;
+    }
+
+    hx_task *first = NULL, *last = NULL;
+    int pieces = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        for (uint64_t off = 0; off < sges[i].len;) {
+            uint64_t len = sges[i].len - off;
+            if (len > HX_COPY_PIECE)
+                len = HX_COPY_PIECE;
+            hx_task *t = calloc(1, sizeof *t);
+            if (!t) {
+                free_tasks(first);
+                for (uint32_t j = 0; j < job->nregions; j++)
+                    hx_region_release(job->regions[j]);
+                rc = HX_E_NOMEM;
+                goto out;
+            }
+            *t = (hx_task){.job = job, .dst = dst[i] + off, .src = src[i] + off, .len = len,
+                           .pid = pid, .opcode = opcode};
+            if (last)
+                last->next = t;
+            else
+                first = t;
+            last = t;
+            pieces++;
+            off += len;
+        }
+    }
+    atomic_init(&job->remaining, pieces);
+    hx_pool_submit(a, job, first, last);
+    job = NULL; /* owned by the pool now */
+    rc = HX_POSTED;
+out:
+    free(job);
+    free(dst);
+    free(src);
+    return rc;
+}
