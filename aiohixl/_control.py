@@ -63,15 +63,37 @@ def _read_id(path: str) -> str:
 
 @dataclass(frozen=True)
 class HostIdentity:
-    """What decides whether two agents share a host (and a kernel boot)."""
+    """What decides whether two agents share a host, a kernel boot and namespaces.
+
+    Same ``host`` and ``boot``: shared memory is possible. Same ``ns`` (pid,
+    user and network namespaces) as well: pids mean the same process, abstract
+    unix sockets reach each other, cross-memory attach may be permitted.
+    """
 
     host: str
     boot: str
+    ns: str
 
     @classmethod
     def local(cls) -> HostIdentity:
         machine = _read_id("/etc/machine-id") or socket.gethostname()
-        return cls(host=f"{socket.gethostname()}/{machine}", boot=_read_id("/proc/sys/kernel/random/boot_id"))
+        ns = []
+        for kind in ("pid", "user", "net"):
+            try:
+                ns.append(os.readlink(f"/proc/self/ns/{kind}"))
+            except OSError:
+                ns.append(f"{kind}:?")
+        return cls(
+            host=f"{socket.gethostname()}/{machine}",
+            boot=_read_id("/proc/sys/kernel/random/boot_id"),
+            ns=",".join(ns),
+        )
+
+    def same_host(self, other: HostIdentity) -> bool:
+        return self.host == other.host and self.boot == other.boot and bool(self.boot)
+
+    def same_namespaces(self, other: HostIdentity) -> bool:
+        return self.same_host(other) and self.ns == other.ns and "?" not in self.ns
 
 
 @dataclass
@@ -81,6 +103,9 @@ class PeerInfo:
     host: HostIdentity
     transports: list[str]
     session: bytes
+    pid: int = 0
+    shm_socket: str = ""  # abstract unix socket that hands out memfds ("" if none)
+    probe: int = 0  # address of 16 bytes (the agent id) to test cross-memory attach
     regions: list[bytes] = field(default_factory=list)
 
 
@@ -146,15 +171,18 @@ def _error_frame(code: int, message: str) -> bytes:
     return w.Writer().u8(code).str(message).frame(w.ERROR)
 
 
-def _write_identity(wr: w.Writer, agent_id: bytes, name: str, host: HostIdentity, transports: Any) -> w.Writer:
-    return wr.raw(agent_id).str(name).str(host.host).str(host.boot).strs(transports)
+def _write_identity(wr: w.Writer, me: Any) -> w.Writer:
+    host = me.host_identity
+    wr.raw(me.id).str(me.name).str(host.host).str(host.boot).str(host.ns).strs(me.transports)
+    return wr.u32(os.getpid()).str(me._shm_socket_name()).raw(me._probe_address().to_bytes(8, "little"))
 
 
-def _read_identity(r: w.Reader) -> tuple[bytes, str, HostIdentity, list[str]]:
-    agent_id = r.raw(16)
-    name = r.str()
-    host = HostIdentity(r.str(), r.str())
-    return agent_id, name, host, r.strs()
+def _read_identity(r: w.Reader, session: bytes) -> PeerInfo:
+    agent_id, name = r.raw(16), r.str()
+    host = HostIdentity(r.str(), r.str(), r.str())
+    transports = r.strs()
+    pid, shm_socket, probe = r.u32(), r.str(), int.from_bytes(r.raw(8), "little")
+    return PeerInfo(agent_id, name, host, transports, session, pid, shm_socket, probe)
 
 
 # ---------- client side ----------
@@ -175,18 +203,18 @@ async def client_handshake(
     if not hmac.compare_digest(mac_s, _server_mac(token, nonce_c, nonce_s)):
         raise AuthenticationError(f"{where}: the listener does not hold the same token")
     auth = w.Writer().raw(_client_mac(token, nonce_s, nonce_c, role, session)).raw(session)
-    _write_identity(auth, me.id, me.name, me.host_identity, me.transports)
+    _write_identity(auth, me)
     await ch.send(auth.frame(w.AUTH))
     if role == w.ROLE_DATA:
         r = await ch.expect(w.DATA_OK, w.MAX_UNAUTH_FRAME)
         r.end()
         return None
     r = await ch.expect(w.WELCOME, w.MAX_FRAME)
-    agent_id, name, host, transports = _read_identity(r)
-    sid = r.raw(16)
-    regions = [r.blob() for _ in range(r.u16())]
+    info = _read_identity(r, b"")
+    info.session = r.raw(16)
+    info.regions = [r.blob() for _ in range(r.u16())]
     r.end()
-    return PeerInfo(agent_id, name, host, transports, sid, regions)
+    return info
 
 
 # ---------- server side ----------
@@ -219,13 +247,13 @@ async def server_handshake(ch: Channel, token: bytes) -> Hello:
     if not hmac.compare_digest(mac, _client_mac(token, nonce_s, nonce_c, role, session)):
         await ch.send(_error_frame(w.ERR_AUTH, "authentication failed"))
         raise AuthenticationError("client failed authentication")
-    agent_id, name, host, transports = _read_identity(r)
+    info = _read_identity(r, session)
     r.end()
-    return Hello(role, session, PeerInfo(agent_id, name, host, transports, session))
+    return Hello(role, session, info)
 
 
 def welcome_frame(me: Any, session: bytes, regions: list[bytes]) -> bytes:
-    wr = _write_identity(w.Writer(), me.id, me.name, me.host_identity, me.transports).raw(session)
+    wr = _write_identity(w.Writer(), me).raw(session)
     budget = w.MAX_FRAME - 8192  # the rest are reachable by lookup
     kept = []
     for desc in regions:

@@ -9,13 +9,15 @@ memory in flight alive.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import anyio
 
 from ._backends import Backend, current_backend
 from ._native import check, ffi, lib, status_error
-from .errors import ClosedError, TransferTimeout
+from contextlib import nullcontext as _nullcontext
+
+from .errors import ClosedError, HixlError, TransferTimeout
 
 __all__ = ["Engine"]
 
@@ -23,13 +25,24 @@ _DRAIN_BATCH = 4096
 
 
 class _Op:
-    __slots__ = ("waiter", "keep", "what", "on_done")
+    __slots__ = ("waiter", "keep", "what")
 
-    def __init__(self, waiter: Any, keep: tuple, what: str, on_done: Callable[[], None] | None):
+    def __init__(self, waiter: Any, keep: tuple, what: str):
         self.waiter = waiter
-        self.keep = keep  # regions (and their buffers) the native side touches
+        self.keep = keep  # local regions (and their buffers) the native side touches
         self.what = what
-        self.on_done = on_done
+
+
+def _hold(regions: tuple) -> None:
+    for region in regions:
+        region._inflight += 1
+
+
+def _release(regions: tuple) -> None:
+    for region in regions:
+        region._inflight -= 1
+        if region._inflight == 0 and region._idle_waiters:
+            region.agent._wake_region_waiters(region)
 
 
 class Engine:
@@ -68,25 +81,23 @@ class Engine:
             self._slot_waiters.append(waiter)
             await backend.wait(waiter)
 
-    def post(
-        self, peer: Any, opcode: int, sges: Any, n: int, keep: tuple, what: str,
-        on_done: Callable[[], None] | None = None,
-    ) -> Any:
-        """Post an op; returns its waiter, or None when it finished inline."""
+    def post(self, peer: Any, opcode: int, sges: Any, n: int, keep: tuple, what: str) -> Any:
+        """Post an op; returns its waiter, or None when it finished inline.
+
+        ``keep`` (the local regions) stays referenced, and counted in flight
+        for Region.close(), until the completion arrives.
+        """
         op_id = self._next_id
         self._next_id += 1
         rc = lib.hx_peer_post(peer, opcode, op_id, sges, n)
-        if rc == lib.HX_DONE_INLINE:
+        if rc == 1:  # HX_DONE_INLINE
             self.completed += 1
-            if on_done is not None:
-                on_done()
             return None
         if rc < 0:
-            if on_done is not None:
-                on_done()
             raise status_error(rc, what)
         waiter = self.backend.new_waiter()
-        self._ops[op_id] = _Op(waiter, keep, what, on_done)
+        _hold(keep)
+        self._ops[op_id] = _Op(waiter, keep, what)
         return waiter
 
     async def wait(self, waiter: Any, timeout: float | None, what: str) -> None:
@@ -101,6 +112,26 @@ class Engine:
                 f"{what}: no completion within {timeout} s; the op may still complete"
             ) from None
 
+    async def wait_all(self, waiters: list[Any], timeout: float | None, what: str) -> None:
+        """Wait for every waiter; the first failure is raised once all have ended."""
+        if len(waiters) == 1:
+            await self.wait(waiters[0], timeout, what)
+            return
+        first: BaseException | None = None
+        try:
+            with anyio.fail_after(timeout) if timeout is not None else _nullcontext():
+                for waiter in waiters:
+                    try:
+                        await self.backend.wait(waiter)
+                    except HixlError as exc:
+                        first = first or exc
+        except TimeoutError:
+            raise TransferTimeout(
+                f"{what}: no completion within {timeout} s; the op may still complete"
+            ) from None
+        if first is not None:
+            raise first
+
     def drain(self) -> None:
         batch = self._batch
         backend = self.backend
@@ -113,8 +144,7 @@ class Engine:
                     self.unknown_completions += 1
                     continue
                 self.completed += 1
-                if op.on_done is not None:
-                    op.on_done()
+                _release(op.keep)
                 status = c.status
                 backend.resolve(op.waiter, None if status == 0 else status_error(status, op.what))
             if n < _DRAIN_BATCH:
@@ -132,8 +162,7 @@ class Engine:
         for op_id, op in list(self._ops.items()):
             # Native shutdown completed everything; this is a last guard.
             self._ops.pop(op_id)
-            if op.on_done is not None:
-                op.on_done()
+            _release(op.keep)
             if self.backend is not None:
                 self.backend.resolve(op.waiter, ClosedError(f"{op.what}: agent closed"))
         for w in self._slot_waiters:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import fcntl
 import mmap
 import os
 from typing import TYPE_CHECKING, Any
@@ -105,9 +106,12 @@ def pin(obj: Any, what: str) -> _Pinned:
 
 def allocate_shared(nbytes: int, name: str | None) -> tuple[_Pinned, mmap.mmap]:
     """Zero-filled, page-aligned memory in a memfd, so another process can map it."""
-    fd = os.memfd_create(f"aiohixl:{name or 'region'}", os.MFD_CLOEXEC)
+    fd = os.memfd_create(f"aiohixl:{name or 'region'}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, max(nbytes, 1))
+        # Sealed so that no process mapping it can ever be made to fault (SIGBUS)
+        # by the file shrinking under it.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
@@ -139,6 +143,12 @@ class Region:
     @property
     def address(self) -> int:
         return self._pinned.address
+
+    @property
+    def _fd(self) -> int | None:
+        """The memfd behind an allocated region (None for user memory)."""
+        holds = self._pinned._holds
+        return holds[3] if self.kind == "memfd" and len(holds) == 4 else None
 
     @property
     def nbytes(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import struct
 from typing import TYPE_CHECKING, Any, Iterable, Union
 
 import anyio
@@ -21,6 +23,9 @@ if TYPE_CHECKING:
     from .agent import Agent
 
 __all__ = ["Peer"]
+
+_FD_REQUEST = struct.Struct("<I16s")
+_FD_ANSWER = struct.Struct("<BQ")
 
 LocalRef = Union[Region, RegionSlice]
 RemoteRef = Union[RemoteRegion, RemoteSlice]
@@ -50,6 +55,14 @@ class Peer:
         self._withdrawn: set[int] = set()
         self._lookups: dict[int, list[Any]] = {}
         self._next_lookup = 1
+        # same-host paths (set by _enable_shm)
+        self._shm: Any = None
+        self._uds: Any = None
+        self._cma = False
+        self._routes: dict[int, str] = {}
+        self._resolving: dict[int, anyio.Event] = {}
+        self._freed = False
+        self._one_sge = ffi.new("hx_sge *")
 
     @property
     def closed(self) -> bool:
@@ -81,14 +94,19 @@ class Peer:
         slot[0].set()
 
     def _on_withdrawn(self, r: w.Reader) -> None:
-        self._withdrawn.add(r.u32())
+        rid = r.u32()
         r.end()
+        self._withdrawn.add(rid)
+        route = self._routes.pop(rid, None)
+        self.agent._engine.backend.spawn(lambda: self._release_route(rid, route), "aiohixl-withdraw")
 
     def _on_session_end(self, reason: HixlError) -> None:
         if self._broken is None:
             self._broken = reason if isinstance(reason, ConnectionLost) else ConnectionLost(str(reason))
         if self._handle is not None and not self._closed:
             lib.hx_peer_fail(self._handle, lib.HX_E_CONNLOST)
+            if self._shm is not None:
+                lib.hx_peer_fail(self._shm, lib.HX_E_CONNLOST)
         for event, _ in self._lookups.values():
             event.set()
 
@@ -106,26 +124,118 @@ class Peer:
     async def _lookup(self, name: str) -> RemoteRegion:
         if self._session is None:
             return self.agent._published_remote(name, "Peer.region")
+        remote = await self._ask(w.BY_NAME, name, 0, f"Peer.region({name!r})")
+        if remote is None:
+            raise RegionUnavailable(f"Peer.region({name!r}): peer {self.name!r} publishes no region of that name")
+        self._withdrawn.discard(remote.id)
+        if self._shm is not None:
+            await self._resolve(remote.info)  # map it now, so the first op is fast
+        return remote
+
+    async def _ask(self, by: int, name: str, region_id: int, what: str) -> RemoteRegion | None:
+        """Ask the peer about one of its regions (by name or id); None if it has none."""
         req = self._next_lookup
         self._next_lookup += 1
         slot: list[Any] = [anyio.Event(), None]
         self._lookups[req] = slot
         try:
-            await self._session.send(w.Writer().u32(req).str(name).frame(w.LOOKUP))
+            await self._session.send(w.Writer().u32(req).u8(by).str(name).u32(region_id).frame(w.LOOKUP))
             await slot[0].wait()
         finally:
             self._lookups.pop(req, None)
         if slot[1] is None:
-            raise self._lost("Peer.region")
+            raise self._lost(what)
         status, desc = slot[1]
         if status != w.LOOKUP_OK:
-            raise RegionUnavailable(f"Peer.region({name!r}): peer {self.name!r} publishes no region of that name")
+            return None
         try:
-            remote = self.remote_region(desc)
+            return self.remote_region(desc)
         except InvalidDescriptor as exc:
-            raise ProtocolError(f"Peer.region({name!r}): the peer sent a bad descriptor: {exc}") from None
-        self._withdrawn.discard(remote.id)
-        return remote
+            raise ProtocolError(f"{what}: the peer sent a bad descriptor: {exc}") from None
+
+    # ---- same-host paths ----
+
+    def _enable_shm(self, handle: Any, uds: Any, cma: bool) -> None:
+        self._shm = handle
+        self._uds = uds
+        self._uds_lock = anyio.Lock()
+        self._cma = cma
+        self.transport = "shm"
+
+    async def path(self, remote: RemoteRef) -> str:
+        """How ops on ``remote`` travel: "shm-memfd", "shm-cma", "tcp" or "loopback"."""
+        rs = self._remote_slice(remote, "Peer.path")
+        if self._shm is None:
+            return self.transport
+        return self._routes.get(rs.region.id) or await self._resolve(rs.region.info)
+
+    async def _resolve(self, claimed: Any) -> str:
+        """Pick and set up the path to a region, once; concurrent callers share the work."""
+        rid = claimed.region_id
+        route = self._routes.get(rid)
+        if route is not None:
+            return route
+        pending = self._resolving.get(rid)
+        if pending is not None:
+            await pending.wait()
+            return self._routes.get(rid, "tcp")
+        self._resolving[rid] = done = anyio.Event()
+        try:
+            route = await self._setup_route(rid, "Peer.path")
+            self._routes[rid] = route
+            return route
+        finally:
+            del self._resolving[rid]
+            done.set()
+
+    async def _setup_route(self, rid: int, what: str) -> str:
+        # The target's own word on the region, never the caller's descriptor:
+        # a forged size or address must not reach a copy into its memory.
+        remote = await self._ask(w.BY_ID, "", rid, what)
+        if remote is None:
+            raise RegionUnavailable(f"{what}: peer {self.name!r} has no region {rid}")
+        info = remote.info
+        if info.kind == "memfd" and self._uds is not None:
+            fd = await self._fetch_fd(rid)
+            if fd is not None:
+                try:
+                    rc = lib.hx_shm_map(self._shm, rid, fd, info.nbytes, int(info.access))
+                finally:
+                    os.close(fd)
+                if rc == 0:
+                    return "shm-memfd"
+                c.log.info("aiohixl: peer %r region %d: mapping refused (status %d)", self.name, rid, rc)
+        if self._cma and lib.hx_shm_attach(self._shm, rid, info.address, info.nbytes, int(info.access)) == 0:
+            return "shm-cma"
+        return "tcp"
+
+    async def _fetch_fd(self, rid: int) -> int | None:
+        async with self._uds_lock:
+            try:
+                await self._uds.send(_FD_REQUEST.pack(rid, self.info.session))
+                msg, fds = await self._uds.receive_fds(_FD_ANSWER.size, 1)
+            except (*c._STREAM_ERRORS, ValueError):
+                return None
+        if len(msg) != _FD_ANSWER.size:
+            for fd in fds:
+                os.close(fd)
+            return None
+        status, _size = _FD_ANSWER.unpack(msg)
+        if status != w.FD_OK or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            return None
+        return fds[0]
+
+    async def _release_route(self, rid: int, route: str | None) -> None:
+        """After a withdrawal: stop using the region, then tell the target."""
+        try:
+            if route is not None and route.startswith("shm") and self._shm is not None and not self._freed:
+                await anyio.to_thread.run_sync(lib.hx_shm_forget, self._shm, rid, 1)
+            if self._session is not None and self._session.ended is None:
+                await self._session.send(w.Writer().u32(rid).frame(w.WITHDRAWN_ACK))
+        except HixlError:
+            pass
 
     def remote_region(self, descriptor: bytes) -> RemoteRegion:
         """Turn a descriptor from ``Region.descriptor()`` into a RemoteRegion of this peer."""
@@ -169,59 +279,86 @@ class Peer:
         if len(engine._ops) >= engine.capacity:
             await engine.admit()
             self._check_open(what)
-        else:
+        elif engine.backend is None:
             engine.attach()
-        put = opcode == lib.HX_OP_PUT
-        sges = ffi.new("hx_sge[]", len(pairs)) if pairs else None
-        regions: list[Region] = []
-        n = 0
+        put = opcode == 1  # HX_OP_PUT
+        need = 1 if put else 2  # Access.REMOTE_WRITE / REMOTE_READ, as plain ints: this is the hot path
+        checked = []
         for remote, local in pairs:
             rs = self._remote_slice(remote, what)
             ls = _local_slice(local, what)
             region = ls.region
             if region.agent is not self.agent:
                 raise InvalidArgument(f"{what}: local region {region._label()} belongs to another agent")
-            region._check_open(what)
+            if region._closed:
+                region._check_open(what)
             if rs.nbytes != ls.nbytes:
                 raise LengthMismatch(
                     f"{what}: remote range is {rs.nbytes} bytes, local range is {ls.nbytes} bytes"
                 )
-            if rs.region.id in self._withdrawn:
-                raise RegionUnavailable(
-                    f"{what}: peer {self.name!r} withdrew remote region {rs.region._label()}"
-                )
-            need = Access.REMOTE_WRITE if put else Access.REMOTE_READ
-            if not rs.region.access & need:
+            rr = rs.region
+            if rr._id in self._withdrawn:
+                raise RegionUnavailable(f"{what}: peer {self.name!r} withdrew remote region {rr._label()}")
+            if not rr._access & need:
                 raise AccessDenied(
-                    f"{what}: remote region {rs.region._label()} was registered without {need.name}"
+                    f"{what}: remote region {rr._label()} was registered without {Access(need).name}"
                 )
-            if not put and region.readonly:
+            if not put and region._pinned.readonly:
                 raise AccessDenied(f"{what}: local region {region._label()} is read-only")
-            if rs.nbytes == 0:
-                continue
-            sge = sges[n]
-            sge.local_region = region.id
-            sge.remote_region = rs.region.id
-            sge.local_off = ls.offset
-            sge.remote_off = rs.offset
-            sge.len = rs.nbytes
-            n += 1
-            regions.append(region)
-        if n == 0:
+            if rs.nbytes:
+                checked.append((rs, ls))
+        if not checked:
             return
-        keep = tuple(regions)
-        for region in keep:
-            region._inflight += 1
-        waiter = engine.post(
-            self._handle, opcode, sges, n, keep, what, lambda: _release(keep)
-        )
-        if waiter is not None:
-            try:
-                await engine.wait(waiter, timeout, what)
-            except ConnectionLost:
-                if self._broken is not None:  # say why, when the control plane knows
-                    raise self._lost(what) from None
-                raise
+        if self._shm is None:
+            waiter = self._post(engine, self._handle, opcode, checked, what)
+            if waiter is None:
+                return
+            waiters = [waiter]
+        else:
+            groups: dict[Any, list] = {}
+            for pair in checked:
+                rr = pair[0].region
+                route = self._routes.get(rr._id) or await self._resolve(rr.info)
+                if rr._id in self._withdrawn:  # withdrawn while the path was set up
+                    raise RegionUnavailable(f"{what}: peer {self.name!r} withdrew remote region {rr._label()}")
+                groups.setdefault(route, []).append(pair)
+            self._check_open(what)
+            waiters = []
+            for route, group in groups.items():
+                waiter = self._post(engine, self._handle if route == "tcp" else self._shm, opcode, group, what)
+                if waiter is not None:
+                    waiters.append(waiter)
+            if not waiters:
+                return
+        try:
+            await engine.wait_all(waiters, timeout, what)
+        except ConnectionLost:
+            if self._broken is not None:  # say why, when the control plane knows
+                raise self._lost(what) from None
+            raise
+
+    def _post(self, engine: Any, handle: Any, opcode: int, group: list, what: str) -> Any:
+        n = len(group)
+        if n == 1:
+            sges = self._one_sge  # read by the native side during the call only
+            rs, ls = group[0]
+            sges.local_region = ls.region.id
+            sges.remote_region = rs.region._id
+            sges.local_off = ls.offset
+            sges.remote_off = rs.offset
+            sges.len = rs.nbytes
+            keep: tuple = (ls.region,)
+        else:
+            sges = ffi.new("hx_sge[]", n)
+            for i, (rs, ls) in enumerate(group):
+                sge = sges[i]
+                sge.local_region = ls.region.id
+                sge.remote_region = rs.region._id
+                sge.local_off = ls.offset
+                sge.remote_off = rs.offset
+                sge.len = rs.nbytes
+            keep = tuple(ls.region for _, ls in group)
+        return engine.post(handle, opcode, sges, n, keep, what)
 
     def _remote_slice(self, remote: Any, what: str) -> RemoteSlice:
         if isinstance(remote, RemoteRegion):
@@ -230,7 +367,7 @@ class Peer:
             raise InvalidArgument(
                 f"{what}: expected a RemoteRegion or a slice of one, got {type(remote).__name__}"
             )
-        if remote.region.info.agent_id != self.remote_id:
+        if remote.region._agent_id != self.remote_id:
             raise InvalidArgument(
                 f"{what}: remote region {remote.region._label()} belongs to another agent than this peer's"
             )
@@ -251,6 +388,7 @@ class Peer:
         if self._closed:
             return
         self._closed = True
+        self._close_native()  # before the session ends: ops fail as closed, not lost
         if self._session is not None and self._session.ended is None:
             with anyio.move_on_after(1.0):
                 try:
@@ -258,14 +396,29 @@ class Peer:
                 except HixlError:
                     pass
             self._session.cancel()
-        lib.hx_peer_close(self._handle)
+        await self._close_uds()
         self.agent._forget_peer(self)
+
+    def _close_native(self) -> None:
+        lib.hx_peer_close(self._handle)
+        if self._shm is not None:
+            lib.hx_peer_close(self._shm)
+
+    async def _close_uds(self) -> None:
+        if self._uds is not None:
+            uds, self._uds = self._uds, None
+            with anyio.CancelScope(shield=True):
+                await uds.aclose()
 
     def _free(self) -> None:
         self._closed = True
+        self._freed = True
         if self._handle is not None:
             lib.hx_peer_free(self._handle)
             self._handle = None
+        if self._shm is not None:
+            lib.hx_peer_free(self._shm)
+            self._shm = None
 
     def __repr__(self) -> str:
         return f"<Peer {self.name or self.remote_id.hex()} via {self.transport}>"
@@ -277,10 +430,3 @@ def _local_slice(local: Any, what: str) -> RegionSlice:
     if isinstance(local, RegionSlice):
         return local
     raise InvalidArgument(f"{what}: expected a Region or a slice of one, got {type(local).__name__}")
-
-
-def _release(regions: tuple[Region, ...]) -> None:
-    for region in regions:
-        region._inflight -= 1
-        if region._inflight == 0 and region._idle_waiters:
-            region.agent._wake_region_waiters(region)

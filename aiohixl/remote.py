@@ -11,10 +11,14 @@ __all__ = ["RemoteRegion", "RemoteSlice"]
 class RemoteRegion:
     """A region of a peer's agent, as its descriptor describes it. Slice it like a Region."""
 
-    __slots__ = ("info",)
+    __slots__ = ("info", "_id", "_access", "_agent_id")
 
     def __init__(self, info: RegionInfo) -> None:
         self.info = info
+        # copies of what every op checks, kept as plain values for speed
+        self._id = info.region_id
+        self._access = int(info.access)
+        self._agent_id = info.agent_id
 
     @property
     def name(self) -> str | None:

@@ -60,7 +60,8 @@ async def main() -> None:
                 out["sha256"] = hashlib.sha256(view[cmd["offset"] : cmd["offset"] + cmd["len"]]).hexdigest()
             elif op == "pump":
                 # Puts into a region of the test process while it puts into ours.
-                peer = await agent.connect(cmd["address"])
+                transports = tuple(cmd["transports"]) if cmd.get("transports") else None
+                peer = await agent.connect(cmd["address"], transports=transports)
                 remote = await peer.region(cmd["name"])
                 size, count = cmd["size"], cmd["count"]
                 src = agent.register(pattern(size * count, cmd["seed"]))

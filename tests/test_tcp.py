@@ -22,6 +22,7 @@ from aiohixl.remote import RemoteRegion
 
 from .harness import TOKEN, Target, pattern, sha
 
+TCP = ("tcp",)  # these tests are about tcp: shared memory would take over on one host
 SPACE = 256 << 20
 SEED = 21
 
@@ -31,7 +32,7 @@ async def pair():
     target = await Target.start()
     await target.alloc("kv", SPACE + 4096)  # memfd region
     await target.alloc("src", SPACE, seed=SEED, kind="register")  # user memory with a known pattern
-    async with aiohixl.Agent("initiator", token=TOKEN) as agent:
+    async with aiohixl.Agent("initiator", token=TOKEN, transports=TCP) as agent:
         peer = await agent.connect(target.address)
         assert peer.transport == "tcp"
         src_arr = pattern(SPACE, 7)
@@ -117,11 +118,12 @@ async def test_thousand_concurrent_ops(pair):
 async def test_both_directions_at_once(pair):
     peer, kv, src, src_arr = pair["peer"], pair["kv"], pair["src"], pair["src_arr"]
     size, count = 1 << 20, 64
-    async with aiohixl.Agent("back", listen="127.0.0.1:0", token=TOKEN) as me:
+    async with aiohixl.Agent("back", listen="127.0.0.1:0", token=TOKEN, transports=TCP) as me:
         inbox_arr = np.zeros(size * count, dtype=np.uint8)
         me.register(inbox_arr, name="inbox")
         pump = asyncio.create_task(
-            pair["target"].cmd(op="pump", address=me.address, name="inbox", size=size, count=count, seed=99)
+            pair["target"].cmd(op="pump", address=me.address, name="inbox", size=size, count=count, seed=99,
+                                 transports=["tcp"])
         )
         for _ in range(4):
             await asyncio.gather(*(peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size])
@@ -182,12 +184,12 @@ async def test_wrong_token_is_refused_and_listener_keeps_serving():
     target = await Target.start()
     try:
         await target.alloc("kv", 4096)
-        async with aiohixl.Agent(token="wrong") as agent:
+        async with aiohixl.Agent(token="wrong", transports=TCP) as agent:
             with pytest.raises(aiohixl.AuthenticationError):
                 await agent.connect(target.address)
             with pytest.raises(aiohixl.InvalidArgument, match="token"):
                 os.environ.pop("AIOHIXL_TOKEN", None)
-                await aiohixl.Agent().connect(target.address)
+                await aiohixl.Agent(transports=TCP).connect(target.address)
             peer = await agent.connect(target.address, token=TOKEN)
             src = agent.register(pattern(4096, 1))
             await peer.put(await peer.region("kv"), src)
@@ -208,7 +210,7 @@ async def test_client_refuses_listener_without_the_token():
     port = listener.listeners[0].extra(anyio.abc.SocketAttribute.local_port)
     async with anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, fake)
-        async with aiohixl.Agent(token=TOKEN) as agent:
+        async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
             with pytest.raises(aiohixl.AuthenticationError, match="does not hold the same token"):
                 await agent.connect(f"127.0.0.1:{port}")
         tg.cancel_scope.cancel()
@@ -254,7 +256,7 @@ async def test_fuzzed_unauthenticated_bytes(victim, data):
 async def test_fuzzed_frames_on_an_authenticated_data_connection(victim, data):
     # Get through the handshake as a real client, then send garbage where
     # native data frames belong: only that connection may close.
-    async with aiohixl.Agent(token=TOKEN) as agent:
+    async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
         ch = c.Channel(await anyio.connect_tcp("127.0.0.1", victim.port))
         info = await c.client_handshake(ch, TOKEN.encode(), w.ROLE_CONTROL, bytes(16), agent, "fuzz")
         data_ch = c.Channel(await anyio.connect_tcp("127.0.0.1", victim.port))
@@ -272,7 +274,7 @@ async def test_fuzzed_frames_on_an_authenticated_data_connection(victim, data):
 @pytest.mark.asyncio(loop_scope="module")
 async def test_listener_survived_the_fuzzing(victim):
     assert await victim.hash("kv", 0, 1 << 20) == sha(pattern(1 << 20, 4))
-    async with aiohixl.Agent(token=TOKEN) as agent:
+    async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
         peer = await agent.connect(victim.address)
         src = agent.register(pattern(1 << 20, 8))
         await peer.put(await peer.region("kv"), src)
@@ -285,7 +287,7 @@ async def test_handshake_that_stalls_is_dropped(victim=None):
         s = socket.create_connection(("127.0.0.1", target.port))
         s.sendall(hello[:10])  # and then nothing
         await target.alloc("kv", 4096)
-        async with aiohixl.Agent(token=TOKEN) as agent:  # others are served meanwhile
+        async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:  # others are served meanwhile
             peer = await agent.connect(target.address)
             await peer.put(await peer.region("kv"), agent.register(bytearray(4096)))
         s.settimeout(10)
@@ -299,7 +301,7 @@ async def test_kill_target_mid_transfer_then_reconnect():
     target = await Target.start()
     port = target.port
     await target.alloc("kv", 64 << 20)
-    async with aiohixl.Agent(token=TOKEN) as agent:
+    async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
         peer = await agent.connect(target.address)
         kv = await peer.region("kv")
         src = agent.register(pattern(64 << 20, 2))
@@ -334,7 +336,7 @@ async def test_heartbeat_detects_a_silent_peer():
     target = await Target.start(heartbeat=0.2)
     try:
         await target.alloc("kv", 4096)
-        async with aiohixl.Agent(token=TOKEN, heartbeat_interval=0.2, heartbeat_timeout=0.6) as agent:
+        async with aiohixl.Agent(token=TOKEN, transports=TCP, heartbeat_interval=0.2, heartbeat_timeout=0.6) as agent:
             peer = await agent.connect(target.address)
             kv = await peer.region("kv")
             src = agent.register(bytearray(4096))
@@ -365,7 +367,7 @@ async def test_closing_the_initiator_with_ops_in_flight():
     target = await Target.start()
     try:
         await target.alloc("kv", 64 << 20)
-        agent = aiohixl.Agent(token=TOKEN)
+        agent = aiohixl.Agent(token=TOKEN, transports=TCP)
         await agent.start()
         peer = await agent.connect(target.address)
         kv = await peer.region("kv")
@@ -376,7 +378,7 @@ async def test_closing_the_initiator_with_ops_in_flight():
         results = await asyncio.gather(*tasks, return_exceptions=True)
         assert all(r is None or isinstance(r, aiohixl.ClosedError) for r in results), results
         # the target is unharmed and serves a new peer
-        async with aiohixl.Agent(token=TOKEN) as again:
+        async with aiohixl.Agent(token=TOKEN, transports=TCP) as again:
             p = await again.connect(target.address)
             await p.put((await p.region("kv"))[:4096], again.register(bytearray(4096)))
     finally:
