@@ -103,8 +103,8 @@ int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t 
     uint64_t total = 0;
     for (uint32_t i = 0; i < n; i++)
         total += sges[i].len;
-    if (total <= HX_INLINE_COPY_MAX) {
-        /* Cheaper than waking a pool thread and the event loop. */
+    if (total <= (pid ? HX_INLINE_CMA_MAX : HX_INLINE_COPY_MAX)) {
+        /* Cheaper than waking a pool thread and then the event loop. */
         rc = HX_DONE_INLINE;
         for (uint32_t i = 0; i < n && rc == HX_DONE_INLINE; i++) {
             int s = hx_copy_run(opcode, pid, dst[i], (const uint8_t *)src[i], sges[i].len);
@@ -116,13 +116,19 @@ int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t 
         goto out;
     }
 
+    /* Pieces for the pool's threads and for this thread, which would
+     * otherwise only wait: one share each, at least HX_COPY_PIECE_MIN. */
+    uint64_t piece = total / (a->nthreads + 1) + 1;
+    if (piece < HX_COPY_PIECE_MIN)
+        piece = HX_COPY_PIECE_MIN;
+    piece = (piece + 4095) & ~(uint64_t)4095;
     hx_task *first = NULL, *last = NULL;
     int pieces = 0;
     for (uint32_t i = 0; i < n; i++) {
         for (uint64_t off = 0; off < sges[i].len;) {
             uint64_t len = sges[i].len - off;
-            if (len > HX_COPY_PIECE)
-                len = HX_COPY_PIECE;
+            if (len > piece)
+                len = piece;
             hx_task *t = calloc(1, sizeof *t);
             if (!t) {
                 free_tasks(first);
@@ -143,8 +149,12 @@ int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t 
         }
     }
     atomic_init(&job->remaining, pieces);
-    hx_pool_submit(a, job, first, last);
+    hx_task *mine = first;
+    first = first->next;
     job = NULL; /* owned by the pool now */
+    if (first)
+        hx_pool_submit(a, NULL, first, last);
+    hx_pool_run(a, mine);
     rc = HX_POSTED;
 out:
     free(job);

@@ -254,18 +254,24 @@ static void *pool_main(void *arg)
             a->task_tail = NULL;
         bool closing = a->closing;
         pthread_mutex_unlock(&a->pool_lock);
-        hx_job *job = t->job;
-        int failed = job->peer_failed ? atomic_load(job->peer_failed) : 0;
         if (closing)
             finish_task(a, t, HX_E_CLOSED);
-        else if (failed)
-            finish_task(a, t, failed);
         else
-            finish_task(a, t, hx_copy_run(t->opcode, t->pid, t->dst, t->src, t->len));
+            hx_pool_run(a, t);
         pthread_mutex_lock(&a->pool_lock);
     }
     pthread_mutex_unlock(&a->pool_lock);
     return NULL;
+}
+
+void hx_pool_run(hx_agent *a, hx_task *t)
+{
+    hx_job *job = t->job;
+    int failed = job->peer_failed ? atomic_load(job->peer_failed) : 0;
+    if (failed)
+        finish_task(a, t, failed);
+    else
+        finish_task(a, t, hx_copy_run(t->opcode, t->pid, t->dst, t->src, t->len));
 }
 
 void hx_pool_submit(hx_agent *a, hx_job *job, hx_task *first, hx_task *last)

@@ -110,6 +110,8 @@ void hx_region_release(hx_region *r);
 void hx_complete(hx_agent *a, uint64_t op_id, int status);
 /* Queues a job's copies on the pool; the pool completes the job. */
 void hx_pool_submit(hx_agent *a, hx_job *job, hx_task *first, hx_task *last);
+/* Runs one task on the calling thread, as a pool thread would. */
+void hx_pool_run(hx_agent *a, hx_task *t);
 void hx_pool_fail_peer(hx_agent *a, uint64_t peer_id, int status);
 /* copy.c: an op whose remote memory is in `remote` (mapped here, or another
  * process's via cross-memory attach with pid): inline when small, else pool. */
@@ -124,10 +126,12 @@ void hx_io_shutdown(hx_agent *a);
 /* tcp.c: frees what the stopped I/O thread left (connections Python never freed). */
 void hx_io_free(hx_agent *a);
 
-/* Copies at or under this size run on the caller's thread: a wake-up of
- * another core costs more than the copy. */
-#define HX_INLINE_COPY_MAX (64u * 1024u)
-/* Large copies are cut into pieces of this size so the pool can share them. */
-#define HX_COPY_PIECE (4u * 1024u * 1024u)
+/* Copies at or under this size run on the caller's thread: waking another
+ * core (30-40 us each way) costs more than the copy. Cross-memory attach is
+ * several times slower than memcpy, so its bound is lower. */
+#define HX_INLINE_COPY_MAX (1024u * 1024u)
+#define HX_INLINE_CMA_MAX (256u * 1024u)
+/* Larger copies are shared by the pool's threads and the caller. */
+#define HX_COPY_PIECE_MIN (1024u * 1024u)
 
 #endif

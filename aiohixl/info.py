@@ -45,11 +45,21 @@ def _read(path: str) -> str:
         return ""
 
 
+def _shm_status() -> TransportStatus:
+    if not hasattr(os, "memfd_create"):
+        return TransportStatus("shm", False, "no memfd_create on this system")
+    scope = _read("/proc/sys/kernel/yama/ptrace_scope")
+    cma = {"": "cross-memory attach allowed (no Yama)", "0": "cross-memory attach allowed (ptrace_scope 0)",
+           "1": "cross-memory attach only to descendants (ptrace_scope 1): user memory goes over tcp",
+           }.get(scope, f"cross-memory attach restricted (ptrace_scope {scope}): user memory goes over tcp")
+    return TransportStatus("shm", True, f"same host: memfd regions mapped; {cma}")
+
+
 def transports() -> list[TransportStatus]:
     result = [
         TransportStatus("loopback", True, "ops between regions of one agent"),
         TransportStatus("tcp", True, "any two hosts; native epoll I/O thread"),
-        TransportStatus("shm", False, "not in this version yet"),
+        _shm_status(),
     ]
     lib = ctypes.util.find_library("ibverbs")
     devices = rdma_devices()

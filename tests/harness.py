@@ -33,10 +33,12 @@ class Target:
         self.port = int(address.rpartition(":")[2])
 
     @classmethod
-    async def start(cls, listen: str = "127.0.0.1:0", heartbeat: float = 1.0, token: str = TOKEN) -> Target:
+    async def start(cls, listen: str = "127.0.0.1:0", heartbeat: float = 1.0, token: str = TOKEN,
+                    prefix: tuple[str, ...] = ()) -> Target:
+        """``prefix`` runs the target under another command (e.g. unshare)."""
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         proc = await anyio.open_process(
-            [sys.executable, "-m", "tests.target", "--token", token, "--listen", listen,
+            [*prefix, sys.executable, "-m", "tests.target", "--token", token, "--listen", listen,
              "--heartbeat", str(heartbeat)],
             cwd=ROOT, env=env, stderr=None,
         )
