@@ -9,7 +9,10 @@ import re
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ["core.c", "copy.c", "loopback.c", "shm.c", "tcp.c"]
+SOURCES = ["core.c", "copy.c", "loopback.c", "shm.c", "tcp.c", "verbs.c"]
+# With rdma-core's headers the verbs transport is compiled in; libibverbs
+# itself is only dlopen()ed when an agent opens a device.
+HAVE_VERBS = os.path.exists("/usr/include/infiniband/verbs.h") and os.environ.get("AIOHIXL_NO_VERBS") != "1"
 
 
 def _cdef() -> str:
@@ -29,7 +32,8 @@ ffibuilder.set_source(
     include_dirs=[os.path.relpath(HERE)],
     # Portable code only: the Soft-RoCE VM and users' CPUs may lack AVX-512.
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11"],
-    libraries=["pthread"],
+    define_macros=[("HX_HAVE_VERBS", "1")] if HAVE_VERBS else [],
+    libraries=["pthread", "dl"],
 )
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ void hx_reg_init(hx_registry *reg)
     pthread_mutex_init(&reg->lock, NULL);
     pthread_cond_init(&reg->idle, NULL);
     memset(reg->buckets, 0, sizeof reg->buckets);
+    reg->release = NULL;
+    reg->release_ctx = NULL;
 }
 
 void hx_reg_destroy(hx_registry *reg)
@@ -21,6 +23,8 @@ void hx_reg_destroy(hx_registry *reg)
         hx_region *r = reg->buckets[i];
         while (r) {
             hx_region *next = r->next;
+            if (r->mr && reg->release)
+                reg->release(reg->release_ctx, r->mr);
             free(r);
             r = next;
         }
@@ -94,6 +98,8 @@ int hx_reg_remove(hx_registry *reg, uint32_t id, int wait, uint8_t **base, uint6
         *base = r->base;
     if (len)
         *len = r->len;
+    if (r->mr && reg->release)
+        reg->release(reg->release_ctx, r->mr);
     free(r);
     return HX_OK;
 }
@@ -181,6 +187,39 @@ void hx_complete(hx_agent *a, uint64_t op_id, int status)
         ssize_t n = write(a->wake_fd, &one, sizeof one);
         (void)n;
     }
+}
+
+void hx_notify(hx_agent *a, uint32_t imm, uint32_t len)
+{
+    pthread_mutex_lock(&a->ring_lock);
+    /* Notifications are not admitted like ops: when the ring is full one is
+     * dropped and counted rather than blocking the completion thread. */
+    if (a->ring_count == a->ring_cap) {
+        a->notify_dropped++;
+        pthread_mutex_unlock(&a->ring_lock);
+        return;
+    }
+    uint32_t tail = (a->ring_head + a->ring_count) % a->ring_cap;
+    a->ring[tail].op_id = HX_NOTIFY_FLAG | imm;
+    a->ring[tail].status = HX_OK;
+    a->ring[tail].reserved = len;
+    a->ring_count++;
+    bool wake = !a->signaled;
+    a->signaled = true;
+    pthread_mutex_unlock(&a->ring_lock);
+    if (wake) {
+        uint64_t one = 1;
+        ssize_t n = write(a->wake_fd, &one, sizeof one);
+        (void)n;
+    }
+}
+
+uint64_t hx_agent_notify_dropped(hx_agent *a)
+{
+    pthread_mutex_lock(&a->ring_lock);
+    uint64_t n = a->notify_dropped;
+    pthread_mutex_unlock(&a->ring_lock);
+    return n;
 }
 
 int hx_agent_drain(hx_agent *a, hx_completion *out, int max)
@@ -361,8 +400,10 @@ fail:
 
 void hx_agent_shutdown(hx_agent *a)
 {
-    /* The I/O thread first: its ops release their regions as they fail. */
+    /* The I/O and completion threads first: their ops release their
+     * regions as they fail. */
     hx_io_shutdown(a);
+    hx_verbs_shutdown(a);
     pthread_mutex_lock(&a->pool_lock);
     bool already = a->closing;
     a->closing = true;
@@ -381,7 +422,8 @@ void hx_agent_free(hx_agent *a)
         return;
     hx_agent_shutdown(a);
     hx_io_free(a);
-    hx_reg_destroy(&a->regs);
+    hx_reg_destroy(&a->regs); /* deregisters MRs: the PD is still there */
+    hx_verbs_free(a);
     close(a->wake_fd);
     free(a->ring);
     free(a->threads);

@@ -6,6 +6,8 @@
 #include <stdint.h>
 #include <stddef.h>
 
+#define HX_NOTIFY_FLAG 0x8000000000000000ULL
+
 /* CDEF-BEGIN */
 typedef struct hx_agent hx_agent;
 typedef struct hx_peer hx_peer;
@@ -31,6 +33,8 @@ enum { HX_OP_PUT = 1, HX_OP_GET = 2 };
 /* hx_peer_post: the op finished inline, no completion will follow. */
 enum { HX_POSTED = 0, HX_DONE_INLINE = 1 };
 
+/* op_id with HX_NOTIFY_FLAG (bit 63) set is no op: a WRITE WITH IMM arrived,
+ * the low 32 bits are its immediate and `reserved` its length. */
 typedef struct {
     uint64_t op_id;
     int32_t status;
@@ -89,6 +93,24 @@ int hx_shm_map(hx_peer *p, uint32_t region, int fd, uint64_t size, uint32_t acce
 int hx_shm_attach(hx_peer *p, uint32_t region, uint64_t addr, uint64_t size, uint32_t access);
 int hx_shm_forget(hx_peer *p, uint32_t region, int wait);
 int hx_cma_probe(int pid, uint64_t addr, uint8_t *out, uint32_t len);
+
+/* verbs transport (libibverbs loaded at run time). open: device by name ("" for
+ * the first), port, GID index, QP ack timeout exponent and retry count; on
+ * failure hx_verbs_error() says why. reg: registers region's memory, gives
+ * the rkey. For verbs posts, an sge's remote_region is the rkey and its
+ * remote_off the remote virtual address. peer_new/peer_connect: the
+ * initiator's QP; accept: the target's QP for a session. */
+int hx_verbs_open(hx_agent *a, const char *dev, int port, int gid_index, int timeout, int retry_cnt);
+const char *hx_verbs_error(void);
+int hx_verbs_local(hx_agent *a, uint8_t *gid, uint16_t *lid, int *mtu);
+int hx_verbs_reg(hx_agent *a, uint32_t region, int readonly, uint32_t *rkey);
+hx_peer *hx_verbs_peer_new(hx_agent *a, uint32_t *qpn, uint32_t *psn, int *status);
+int hx_verbs_peer_connect(hx_peer *p, uint32_t qpn, uint32_t psn, const uint8_t *gid, uint16_t lid, int mtu);
+int hx_verbs_accept(hx_agent *a, uint64_t session, uint32_t qpn, uint32_t psn, const uint8_t *gid,
+                    uint16_t lid, int mtu, uint32_t *lqpn, uint32_t *lpsn);
+void hx_verbs_drop_session(hx_agent *a, uint64_t session);
+int hx_verbs_post_imm(hx_peer *p, uint64_t op_id, const hx_sge *sges, uint32_t n, uint32_t imm);
+uint64_t hx_agent_notify_dropped(hx_agent *a);
 
 /* Touches every page so later copies do not pay page faults. */
 void hx_prefault(void *addr, uint64_t len, int write);

@@ -21,6 +21,7 @@ typedef struct hx_region {
     uint32_t busy;          /* accesses in progress; guarded by reg->lock */
     bool removed;
     uint8_t kind;           /* HX_MEM_*: how the bytes are reached */
+    void *mr;               /* the verbs memory registration, if any */
 } hx_region;
 
 enum { HX_MEM_DIRECT = 0, /* mapped in this process: memcpy */
@@ -32,6 +33,8 @@ struct hx_registry {
     pthread_mutex_t lock;
     pthread_cond_t idle;    /* some region's busy count fell to zero */
     hx_region *buckets[HX_REGION_BUCKETS];
+    void (*release)(void *ctx, void *mr); /* drops a region's mr once it is idle */
+    void *release_ctx;
 };
 
 /* A unit of copying for the pool: one piece of one job. With pid != 0 the
@@ -81,6 +84,7 @@ struct hx_agent {
     uint32_t ring_cap, ring_head, ring_count;
     bool signaled;
     int wake_fd;
+    uint64_t notify_dropped;
 
     /* copy pool */
     pthread_mutex_t pool_lock;
@@ -94,6 +98,8 @@ struct hx_agent {
     /* tcp I/O thread, started with the first tcp connection */
     pthread_mutex_t io_lock;
     struct hx_io *io;
+
+    void *verbs; /* verbs.c: device, PD, CQ and QPs once opened */
 };
 
 /* core.c: registries */
@@ -108,6 +114,10 @@ int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len,
                       uint32_t need, uint8_t **ptr, hx_region **out);
 void hx_region_release(hx_region *r);
 void hx_complete(hx_agent *a, uint64_t op_id, int status);
+/* A WRITE WITH IMM arrived: a completion with op_id HX_NOTIFY_BIT | imm. */
+void hx_notify(hx_agent *a, uint32_t imm, uint32_t len);
+void hx_verbs_shutdown(hx_agent *a);
+void hx_verbs_free(hx_agent *a);
 /* Queues a job's copies on the pool; the pool completes the job. */
 void hx_pool_submit(hx_agent *a, hx_job *job, hx_task *first, hx_task *last);
 /* Runs one task on the calling thread, as a pool thread would. */
