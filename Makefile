@@ -29,3 +29,12 @@ example: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info aiohixl/_hixl*.so
+
+# The RDMA tier: tests/rdma inside a throwaway VM with the Soft-RoCE device rxe0.
+SOFTROCE := tests/softroce
+RDMA_PYTEST := PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(abspath $(PY)) -m pytest -q -p pytest_asyncio.plugin -p pytest_timeout -p no:cacheprovider -v tests/rdma
+
+.PHONY: test-rdma
+test-rdma: venv
+	$(SOFTROCE)/setup.sh
+	SOFTROCE_CPUS=2 SOFTROCE_VERBOSE=1 $(SOFTROCE)/run.sh '$(RDMA_PYTEST)'

@@ -74,6 +74,8 @@ void hx_peer_close(hx_peer *p);
 /* Fails every op outstanding on the peer with status (e.g. HX_E_CONNLOST when
  * the control plane saw the peer die); later posts fail the same way. */
 void hx_peer_fail(hx_peer *p, int status);
+/* 0 while the peer works, else the status its ops now fail with. */
+int hx_peer_status(hx_peer *p);
 void hx_peer_free(hx_peer *p);
 
 /* tcp transport. Both take ownership of fd (a connected stream socket).

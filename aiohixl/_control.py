@@ -173,7 +173,7 @@ def _error_frame(code: int, message: str) -> bytes:
 
 def _write_identity(wr: w.Writer, me: Any) -> w.Writer:
     host = me.host_identity
-    wr.raw(me.id).str(me.name).str(host.host).str(host.boot).str(host.ns).strs(me.transports)
+    wr.raw(me.id).str(me.name).str(host.host).str(host.boot).str(host.ns).strs(me._offered_transports())
     return wr.u32(os.getpid()).str(me._shm_socket_name()).raw(me._probe_address().to_bytes(8, "little"))
 
 

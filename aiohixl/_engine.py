@@ -22,6 +22,7 @@ from .errors import ClosedError, HixlError, TransferTimeout
 __all__ = ["Engine"]
 
 _DRAIN_BATCH = 4096
+NOTIFY_FLAG = 1 << 63  # HX_NOTIFY_FLAG: a WRITE WITH IMM arrived, not an op
 
 
 class _Op:
@@ -61,6 +62,7 @@ class Engine:
         self._slot_waiters: list[Any] = []
         self.completed = 0  # ops whose completion arrived, awaited or not
         self.unknown_completions = 0  # completions of no outstanding op: a bug if ever > 0
+        self.on_notify: Any = None
 
     @property
     def outstanding(self) -> int:
@@ -93,6 +95,18 @@ class Engine:
         if rc == 1:  # HX_DONE_INLINE
             self.completed += 1
             return None
+        if rc < 0:
+            raise status_error(rc, what)
+        waiter = self.backend.new_waiter()
+        _hold(keep)
+        self._ops[op_id] = _Op(waiter, keep, what)
+        return waiter
+
+    def post_imm(self, peer: Any, sges: Any, n: int, keep: tuple, what: str, imm: int) -> Any:
+        """Like post(), as an RDMA WRITE WITH IMM (verbs peers only)."""
+        op_id = self._next_id
+        self._next_id += 1
+        rc = lib.hx_verbs_post_imm(peer, op_id, sges, n, imm)
         if rc < 0:
             raise status_error(rc, what)
         waiter = self.backend.new_waiter()
@@ -141,7 +155,10 @@ class Engine:
                 c = batch[i]
                 op = self._ops.pop(c.op_id, None)
                 if op is None:
-                    self.unknown_completions += 1
+                    if c.op_id & NOTIFY_FLAG and self.on_notify is not None:
+                        self.on_notify(c.op_id & 0xFFFFFFFF, c.reserved)
+                    else:
+                        self.unknown_completions += 1
                     continue
                 self.completed += 1
                 _release(op.keep)

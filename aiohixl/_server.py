@@ -19,7 +19,7 @@ import anyio
 
 from . import _control as c
 from . import _wire as w
-from ._native import lib
+from ._native import ffi, lib
 from .errors import HixlError
 
 if TYPE_CHECKING:
@@ -176,7 +176,28 @@ class Listener:
                 event.set()
             if agent._engine.native is not None:
                 lib.hx_tcp_drop_session(agent._engine.native, _session_key(sid))
+                lib.hx_verbs_drop_session(agent._engine.native, _session_key(sid))
             c.log.info("aiohixl %s: session with %s ended: %s", self.address, label, reason)
+
+        async def on_verbs_qp(r: w.Reader) -> None:
+            qpn, psn, gid, lid, mtu = w.read_qp_info(r)
+            r.end()
+            reply = w.Writer()
+            native = agent._engine.native
+            if agent._verbs is None:
+                await session.send(reply.u8(1).frame(w.VERBS_QP_OK))
+                return
+            lqpn, lpsn = ffi.new("uint32_t *"), ffi.new("uint32_t *")
+            rc = lib.hx_verbs_accept(native, _session_key(sid), qpn, psn, gid, lid, mtu, lqpn, lpsn)
+            if rc != 0:
+                c.log.warning("aiohixl %s: no queue pair for %s: %s", self.address, label,
+                              ffi.string(lib.hx_verbs_error()).decode(errors="replace"))
+                await session.send(reply.u8(1).frame(w.VERBS_QP_OK))
+                return
+            mygid, mylid, mymtu = ffi.new("uint8_t[16]"), ffi.new("uint16_t *"), ffi.new("int *")
+            lib.hx_verbs_local(native, mygid, mylid, mymtu)
+            w.qp_info(reply.u8(0), lqpn[0], lpsn[0], bytes(mygid), mylid[0], mymtu[0])
+            await session.send(reply.frame(w.VERBS_QP_OK))
 
         def on_ack(r: w.Reader) -> None:
             region_id = r.u32()
@@ -187,7 +208,7 @@ class Listener:
 
         session = c.Session(
             ch, agent._heartbeat_interval, agent._heartbeat_timeout,
-            {w.LOOKUP: on_lookup, w.WITHDRAWN_ACK: on_ack}, on_end, label,
+            {w.LOOKUP: on_lookup, w.WITHDRAWN_ACK: on_ack, w.VERBS_QP: on_verbs_qp}, on_end, label,
         )
         served = _Served(session, hello.info)
         self.sessions[sid] = served

@@ -22,11 +22,12 @@ MAX_UNAUTH_FRAME = 4096
 MAX_FRAME = 1 << 20
 MAX_STR = 1024
 
-HELLO, CHALLENGE, AUTH, WELCOME, ERROR, LOOKUP, REGION, WITHDRAWN, PING, BYE, DATA_OK, WITHDRAWN_ACK = range(1, 13)
+(HELLO, CHALLENGE, AUTH, WELCOME, ERROR, LOOKUP, REGION, WITHDRAWN, PING, BYE, DATA_OK, WITHDRAWN_ACK,
+ VERBS_QP, VERBS_QP_OK) = range(1, 15)
 NAMES = {
     HELLO: "HELLO", CHALLENGE: "CHALLENGE", AUTH: "AUTH", WELCOME: "WELCOME", ERROR: "ERROR",
     LOOKUP: "LOOKUP", REGION: "REGION", WITHDRAWN: "WITHDRAWN", PING: "PING", BYE: "BYE",
-    DATA_OK: "DATA_OK", WITHDRAWN_ACK: "WITHDRAWN_ACK",
+    DATA_OK: "DATA_OK", WITHDRAWN_ACK: "WITHDRAWN_ACK", VERBS_QP: "VERBS_QP", VERBS_QP_OK: "VERBS_QP_OK",
 }
 
 ROLE_CONTROL, ROLE_DATA = 0, 1
@@ -143,3 +144,12 @@ def split_head(head: bytes, limit: int) -> tuple[int, int]:
 
 HEAD_SIZE = _HEAD.size
 DATA_OK_FRAME = Writer().frame(DATA_OK)
+
+
+def qp_info(wr: Writer, qpn: int, psn: int, gid: bytes, lid: int, mtu: int) -> Writer:
+    """The queue pair facts two sides exchange to connect RC QPs."""
+    return wr.u32(qpn).u32(psn).raw(gid).u16(lid).u8(mtu)
+
+
+def read_qp_info(r: Reader) -> tuple[int, int, bytes, int, int]:
+    return r.u32(), r.u32(), r.raw(16), r.u16(), r.u8()

@@ -14,14 +14,28 @@ from ._engine import Engine
 from ._native import check, ffi, lib
 from ._server import Listener
 from .descriptor import RegionInfo
-from .errors import ClosedError, ConnectionLost, ConnectTimeout, InvalidArgument, RegionUnavailable
+from .errors import ClosedError, ConnectionLost, ConnectTimeout, InvalidArgument, ProtocolError, RegionUnavailable
 from .memory import Access, Region, allocate_shared, pin
 from .peer import Peer
 from .remote import RemoteRegion
 
 __all__ = ["Agent"]
 
-_TRANSPORTS = ("loopback", "tcp", "shm")
+_TRANSPORTS = ("loopback", "tcp", "shm", "verbs")
+KEY_RKEY = 1  # descriptor key: the verbs rkey of the region (u32 little endian)
+
+
+class Notification:
+    """A WRITE WITH IMM that landed in this agent's memory: its immediate and length."""
+
+    __slots__ = ("imm", "nbytes")
+
+    def __init__(self, imm: int, nbytes: int) -> None:
+        self.imm = imm
+        self.nbytes = nbytes
+
+    def __repr__(self) -> str:
+        return f"<Notification imm={self.imm:#x} nbytes={self.nbytes}>"
 
 
 class Agent:
@@ -39,6 +53,15 @@ class Agent:
     ``max_inflight`` bounds the ops outstanding at once (the completion ring's
     size); a call beyond it waits for room. ``copy_threads`` is the number of
     native threads that run large copies.
+
+    ``transports`` ("auto" or a tuple) says which data paths may be used:
+    "shm" (same host), "verbs" (RDMA), "tcp", "loopback"; on connect the
+    first usable of shm, verbs, tcp is taken, tcp also serving as fallback.
+    ``rdma_device``/``rdma_port``/``rdma_gid_index`` pick the RDMA port (see
+    docs/rdma.md; default: first active port, RoCE v2 IPv4 GID preferred),
+    ``rdma_timeout`` is the QP's local ACK timeout exponent (4.096 us * 2**t)
+    and ``rdma_retry_count`` its retry count: a dead peer's ops fail after
+    about (retry_count + 1) * timeout.
     """
 
     def __init__(
@@ -52,6 +75,11 @@ class Agent:
         heartbeat_timeout: float = 5.0,
         max_inflight: int = 65536,
         copy_threads: int | None = None,
+        rdma_device: str | None = None,
+        rdma_port: int | None = None,
+        rdma_gid_index: int | None = None,
+        rdma_timeout: int = 14,
+        rdma_retry_count: int = 7,
     ) -> None:
         if transports != "auto":
             unknown = [t for t in transports if t not in _TRANSPORTS]
@@ -70,6 +98,15 @@ class Agent:
                 f"Agent(heartbeat_interval={heartbeat_interval}, heartbeat_timeout={heartbeat_timeout}):"
                 " need 0 < interval < timeout"
             )
+        if not 1 <= rdma_timeout <= 31 or not 0 <= rdma_retry_count <= 7:
+            raise InvalidArgument(
+                f"Agent(rdma_timeout={rdma_timeout}, rdma_retry_count={rdma_retry_count}):"
+                " need timeout in [1, 31] and retry count in [0, 7]"
+            )
+        self._rdma_args = (rdma_device, rdma_port, rdma_gid_index, rdma_timeout, rdma_retry_count)
+        self._verbs: Any = None  # the RdmaChoice once the device is open
+        self.verbs_unavailable: str | None = None  # why verbs is not used, once tried
+        self._notifications: Any = None
         self._listen = c.parse_address(listen, "Agent(listen=...)") if listen is not None else None
         self._token = token
         if listen is not None:
@@ -82,6 +119,7 @@ class Agent:
         self._heartbeat_timeout = heartbeat_timeout
         self._listener: Listener | None = None
         self._engine = Engine(max_inflight, copy_threads)
+        self._engine.on_notify = self._on_notify
         # 16 bytes a same-host peer reads with process_vm_readv to learn
         # whether cross-memory attach to this process is permitted.
         self._probe = ffi.new("uint8_t[16]", self.id)
@@ -101,6 +139,7 @@ class Agent:
         """Bind to the running event loop and start listening (if ``listen`` was given)."""
         self._check_open("Agent.start")
         self._engine.attach()
+        self._open_verbs()
         if self._listen is not None and self._listener is None:
             host, port = self._listen
             listener = Listener(self, host, port, c.resolve_token(self._token, "Agent.start"))
@@ -109,6 +148,68 @@ class Agent:
             except OSError as exc:
                 raise OSError(exc.errno, f"Agent.start: cannot listen on {host}:{port}: {exc.strerror}") from None
             self._listener = listener
+
+    def _open_verbs(self) -> None:
+        """Open the RDMA device once, if verbs is allowed and there is one; else say why not."""
+        if "verbs" not in self.transports or self._verbs is not None or self.verbs_unavailable:
+            return
+        from . import _rdma
+
+        device, port, gid_index, timeout, retries = self._rdma_args
+        try:
+            choice = _rdma.choose(device, port, gid_index)
+        except ValueError as exc:
+            self.verbs_unavailable = str(exc)
+            return
+        rc = lib.hx_verbs_open(self._engine.native, choice.device.encode(), choice.port, choice.gid_index,
+                               timeout, retries)
+        if rc != 0:
+            self.verbs_unavailable = ffi.string(lib.hx_verbs_error()).decode(errors="replace")
+            c.log.info("aiohixl %s: verbs unavailable: %s", self.name, self.verbs_unavailable)
+            return
+        self._verbs = choice
+        for region in self._regions.values():
+            self._register_mr(region)
+
+    def _register_mr(self, region: Region) -> None:
+        rkey = ffi.new("uint32_t *")
+        rc = lib.hx_verbs_reg(self._engine.native, region.id, 1 if region.readonly else 0, rkey)
+        if rc == 0:
+            region._rkey = rkey[0]
+        else:
+            c.log.warning("aiohixl %s: region %s not registered with the RDMA device: %s", self.name,
+                          region._label(), ffi.string(lib.hx_verbs_error()).decode(errors="replace"))
+
+    def _offered_transports(self) -> list[str]:
+        return [t for t in self.transports if t != "verbs" or self._verbs is not None]
+
+    # ---- notifications (RDMA WRITE WITH IMM) ----
+
+    async def notification(self) -> Notification:
+        """The next WRITE WITH IMM that landed in this agent's memory (waits for one)."""
+        self._check_open("Agent.notification")
+        backend = self._engine.attach()
+        q = self._notify_queue()
+        while not q[0]:
+            waiter = backend.new_waiter()
+            q[1].append(waiter)
+            await backend.wait(waiter)
+            self._check_open("Agent.notification")
+        return q[0].popleft()
+
+    def _notify_queue(self) -> Any:
+        if self._notifications is None:
+            import collections
+
+            self._notifications = (collections.deque(), [])
+        return self._notifications
+
+    def _on_notify(self, imm: int, nbytes: int) -> None:
+        q = self._notify_queue()
+        q[0].append(Notification(imm, nbytes))
+        waiters, q[1][:] = list(q[1]), []
+        for waiter in waiters:
+            self._engine.backend.resolve(waiter, None)
 
     @property
     def address(self) -> str | None:
@@ -213,6 +314,8 @@ class Agent:
             check(rc, what)
         region = Region(self, region_id, pinned, access, name, memory)
         self._regions[region_id] = region
+        if self._verbs is not None:
+            self._register_mr(region)
         if name is not None:
             self._named[name] = region
         return region
@@ -246,7 +349,9 @@ class Agent:
             backend.resolve(w, None)
 
     def _transport_keys(self, region: Region) -> dict[int, bytes]:
-        return {}
+        if region._rkey is None:
+            return {}
+        return {KEY_RKEY: region._rkey.to_bytes(4, "little")}
 
     def _shm_socket_name(self) -> str:
         return self._listener.shm_socket if self._listener else ""
@@ -294,23 +399,43 @@ class Agent:
         key = c.resolve_token(token if token is not None else self._token, what)
         host, port = c.parse_address(address, what)
         wanted = self.transports if transports is None else tuple(transports)
+        unknown = [t for t in wanted if t not in _TRANSPORTS]
+        if unknown:
+            raise InvalidArgument(f"{what}: unknown transports {unknown}; choose from {_TRANSPORTS}")
         self._engine.attach()
+        self._open_verbs()
         channels: list[c.Channel] = []
         ok = False
+        fd = -1
         try:
             with anyio.fail_after(timeout):
                 ch = c.Channel(await anyio.connect_tcp(host, port))
                 channels.append(ch)
                 info = await c.client_handshake(ch, key, w.ROLE_CONTROL, bytes(16), self, what)
-                chosen = [t for t in ("tcp",) if t in wanted and t in info.transports]
-                if not chosen:
+                offered = info.transports
+                use_shm = "shm" in wanted and "shm" in offered and self.host_identity.same_host(info.host)
+                use_verbs = "verbs" in wanted and "verbs" in offered and self._verbs is not None
+                use_tcp = "tcp" in wanted and "tcp" in offered
+                if not (use_shm or use_verbs or use_tcp):
+                    why = "" if "verbs" not in wanted else f" (verbs here: {self.verbs_unavailable or 'ready'})"
                     raise InvalidArgument(
-                        f"{what}: no transport in common (we allow {wanted}, the peer offers {info.transports})"
+                        f"{what}: no transport in common: we allow {wanted}{why}, the peer offers {offered}"
                     )
-                data = c.Channel(await anyio.connect_tcp(host, port))
-                channels.append(data)
-                await c.client_handshake(data, key, w.ROLE_DATA, info.session, self, what)
-                fd = data.fileno_for_handoff()
+                if use_tcp:
+                    data = c.Channel(await anyio.connect_tcp(host, port))
+                    channels.append(data)
+                    await c.client_handshake(data, key, w.ROLE_DATA, info.session, self, what)
+                    fd = data.fileno_for_handoff()
+                handle = None
+                if fd >= 0:
+                    status = ffi.new("int *")
+                    handle = lib.hx_tcp_connect_fd(self._engine.native, fd, status)
+                    if handle == ffi.NULL:
+                        check(status[0], what)
+                peer = Peer(self, handle, info.agent_id, "tcp", info.name, info=info)
+                self._peers.add(peer)
+                if use_verbs:
+                    await self._setup_verbs(peer, ch, what)
                 ok = True
         except TimeoutError:
             raise ConnectTimeout(f"{what}: no answer within {timeout} s") from None
@@ -319,17 +444,46 @@ class Agent:
         finally:
             for ch_ in channels[1:] if ok else channels:
                 await ch_.aclose()
-        status = ffi.new("int *")
-        handle = lib.hx_tcp_connect_fd(self._engine.native, fd, status)
-        if handle == ffi.NULL:
-            await ch.aclose()
-            check(status[0], what)
-        peer = Peer(self, handle, info.agent_id, chosen[0], info.name, info=info)
-        self._peers.add(peer)
-        if "shm" in wanted and "shm" in info.transports and self.host_identity.same_host(info.host):
+        if use_shm:
             await self._setup_shm(peer, info, what)
+        if peer._handle is None and peer._verbs_h is None and peer._shm is None:
+            await peer.aclose()
+            raise InvalidArgument(f"{what}: no usable transport (allowed {wanted}, peer offers {offered})")
         peer._start_session(ch)
         return peer
+
+    async def _setup_verbs(self, peer: Peer, ch: c.Channel, what: str) -> None:
+        """Create our RC QP, trade QP facts with the target over the control channel, connect."""
+        native = self._engine.native
+        qpn, psn, status = ffi.new("uint32_t *"), ffi.new("uint32_t *"), ffi.new("int *")
+        handle = lib.hx_verbs_peer_new(native, qpn, psn, status)
+        if handle == ffi.NULL:
+            c.log.warning("aiohixl %s: no queue pair: %s", what, ffi.string(lib.hx_verbs_error()).decode(errors="replace"))
+            return
+        gid, lid, mtu = ffi.new("uint8_t[16]"), ffi.new("uint16_t *"), ffi.new("int *")
+        lib.hx_verbs_local(native, gid, lid, mtu)
+        await ch.send(w.qp_info(w.Writer(), qpn[0], psn[0], bytes(gid), lid[0], mtu[0]).frame(w.VERBS_QP))
+        while True:  # the target's session may ping meanwhile
+            ftype, r = await ch.recv(w.MAX_FRAME)
+            if ftype == w.PING:
+                continue
+            if ftype != w.VERBS_QP_OK:
+                raise ProtocolError(f"{what}: expected VERBS_QP_OK, got {w.NAMES[ftype]}")
+            break
+        if r.u8() != 0:
+            r.end()
+            lib.hx_peer_close(handle)
+            c.log.warning("aiohixl %s: the peer could not make a queue pair; not using verbs", what)
+            return
+        rqpn, rpsn, rgid, rlid, rmtu = w.read_qp_info(r)
+        r.end()
+        rc = lib.hx_verbs_peer_connect(handle, rqpn, rpsn, rgid, rlid, rmtu)
+        if rc != 0:
+            lib.hx_peer_close(handle)
+            c.log.warning("aiohixl %s: connecting the queue pair failed: %s", what,
+                          ffi.string(lib.hx_verbs_error()).decode(errors="replace"))
+            return
+        peer._enable_verbs(handle)
 
     async def _setup_shm(self, peer: Peer, info: c.PeerInfo, what: str) -> None:
         """Same host: memfd regions are mapped here, user memory reached by cross-memory attach.

@@ -139,6 +139,7 @@ class Region:
         self._closed = False
         self._inflight = 0
         self._idle_waiters: list[Any] = []
+        self._rkey: int | None = None  # verbs memory registration, when the agent has a device
 
     @property
     def address(self) -> int:

@@ -63,6 +63,7 @@ class Peer:
         self._resolving: dict[int, anyio.Event] = {}
         self._freed = False
         self._one_sge = ffi.new("hx_sge *")
+        self._verbs_h: Any = None  # the RC queue pair, when verbs is used
 
     @property
     def closed(self) -> bool:
@@ -103,10 +104,9 @@ class Peer:
     def _on_session_end(self, reason: HixlError) -> None:
         if self._broken is None:
             self._broken = reason if isinstance(reason, ConnectionLost) else ConnectionLost(str(reason))
-        if self._handle is not None and not self._closed:
-            lib.hx_peer_fail(self._handle, lib.HX_E_CONNLOST)
-            if self._shm is not None:
-                lib.hx_peer_fail(self._shm, lib.HX_E_CONNLOST)
+        if not self._closed:
+            for handle in self._handles():
+                lib.hx_peer_fail(handle, lib.HX_E_CONNLOST)
         for event, _ in self._lookups.values():
             event.set()
 
@@ -155,6 +155,24 @@ class Peer:
 
     # ---- same-host paths ----
 
+    def _handles(self) -> list[Any]:
+        return [h for h in (self._handle, self._shm, self._verbs_h) if h is not None]
+
+    def _enable_verbs(self, handle: Any) -> None:
+        self._verbs_h = handle
+        self.transport = "verbs"
+
+    def _default_route(self, info: Any, what: str) -> str:
+        """The path for a region no same-host path reaches: verbs when it has an rkey, else tcp."""
+        if self._verbs_h is not None and len(info.keys.get(1, b"")) == 4:
+            return "verbs"
+        if self._handle is not None:
+            return "tcp"
+        raise RegionUnavailable(
+            f"{what}: no path to region {info.region_id} of peer {self.name!r}"
+            " (it has no RDMA key and tcp is not allowed)"
+        )
+
     def _enable_shm(self, handle: Any, uds: Any, cma: bool) -> None:
         self._shm = handle
         self._uds = uds
@@ -166,7 +184,9 @@ class Peer:
         """How ops on ``remote`` travel: "shm-memfd", "shm-cma", "tcp" or "loopback"."""
         rs = self._remote_slice(remote, "Peer.path")
         if self._shm is None:
-            return self.transport
+            if self._verbs_h is None and self._handle is not None:
+                return self.transport
+            return self._default_route(rs.region.info, "Peer.path")
         return self._routes.get(rs.region.id) or await self._resolve(rs.region.info)
 
     async def _resolve(self, claimed: Any) -> str:
@@ -178,7 +198,7 @@ class Peer:
         pending = self._resolving.get(rid)
         if pending is not None:
             await pending.wait()
-            return self._routes.get(rid, "tcp")
+            return self._routes.get(rid) or self._default_route(claimed, "Peer.path")
         self._resolving[rid] = done = anyio.Event()
         try:
             route = await self._setup_route(rid, "Peer.path")
@@ -207,7 +227,7 @@ class Peer:
                 c.log.info("aiohixl: peer %r region %d: mapping refused (status %d)", self.name, rid, rc)
         if self._cma and lib.hx_shm_attach(self._shm, rid, info.address, info.nbytes, int(info.access)) == 0:
             return "shm-cma"
-        return "tcp"
+        return self._default_route(info, what)
 
     async def _fetch_fd(self, rid: int) -> int | None:
         async with self._uds_lock:
@@ -249,19 +269,29 @@ class Peer:
 
     # ---- ops ----
 
-    async def put(self, remote: RemoteRef, local: LocalRef, *, timeout: float | None = None) -> None:
-        """Write ``local`` into ``remote``. Returns once the bytes are in the peer's memory."""
-        await self._transfer(lib.HX_OP_PUT, ((remote, local),), timeout, "Peer.put")
+    async def put(
+        self, remote: RemoteRef, local: LocalRef, *, timeout: float | None = None, imm: int | None = None
+    ) -> None:
+        """Write ``local`` into ``remote``. Returns once the bytes are in the peer's memory.
+
+        ``imm`` (verbs only): send it as an RDMA WRITE WITH IMM; the target's
+        ``agent.notification()`` then yields it once the bytes are in place.
+        """
+        await self._transfer(lib.HX_OP_PUT, ((remote, local),), timeout, "Peer.put", imm)
 
     async def get(self, local: LocalRef, remote: RemoteRef, *, timeout: float | None = None) -> None:
         """Read ``remote`` into ``local``. Returns once the bytes are in local memory."""
         await self._transfer(lib.HX_OP_GET, ((remote, local),), timeout, "Peer.get")
 
     async def put_many(
-        self, pairs: Iterable[tuple[RemoteRef, LocalRef]], *, timeout: float | None = None
+        self, pairs: Iterable[tuple[RemoteRef, LocalRef]], *, timeout: float | None = None,
+        imm: int | None = None,
     ) -> None:
-        """Many puts, ``(remote, local)`` pairs, in one native submission and one awaitable."""
-        await self._transfer(lib.HX_OP_PUT, tuple(pairs), timeout, "Peer.put_many")
+        """Many puts, ``(remote, local)`` pairs, in one native submission and one awaitable.
+
+        With ``imm`` (verbs only) the last write carries it, after all the others.
+        """
+        await self._transfer(lib.HX_OP_PUT, tuple(pairs), timeout, "Peer.put_many", imm)
 
     async def get_many(
         self, pairs: Iterable[tuple[LocalRef, RemoteRef]], *, timeout: float | None = None
@@ -272,7 +302,8 @@ class Peer:
         )
 
     async def _transfer(
-        self, opcode: int, pairs: tuple[tuple[Any, Any], ...], timeout: float | None, what: str
+        self, opcode: int, pairs: tuple[tuple[Any, Any], ...], timeout: float | None, what: str,
+        imm: int | None = None,
     ) -> None:
         self._check_open(what)
         engine = self.agent._engine
@@ -309,7 +340,9 @@ class Peer:
                 checked.append((rs, ls))
         if not checked:
             return
-        if self._shm is None:
+        if imm is not None and not 0 <= imm <= 0xFFFFFFFF:
+            raise InvalidArgument(f"{what}: imm={imm} is not a 32-bit unsigned value")
+        if self._shm is None and self._verbs_h is None and imm is None:
             waiter = self._post(engine, self._handle, opcode, checked, what)
             if waiter is None:
                 return
@@ -318,13 +351,23 @@ class Peer:
             groups: dict[Any, list] = {}
             for pair in checked:
                 rr = pair[0].region
-                route = self._routes.get(rr._id) or await self._resolve(rr.info)
+                route = self._routes.get(rr._id)
+                if route is None:
+                    if self._shm is not None:
+                        route = await self._resolve(rr.info)
+                    else:
+                        route = self._default_route(rr.info, what)
                 if rr._id in self._withdrawn:  # withdrawn while the path was set up
                     raise RegionUnavailable(f"{what}: peer {self.name!r} withdrew remote region {rr._label()}")
                 groups.setdefault(route, []).append(pair)
             self._check_open(what)
+            if imm is not None and list(groups) != ["verbs"]:
+                raise InvalidArgument(f"{what}: imm= needs the verbs transport; this op goes over {sorted(groups)}")
             waiters = []
             for route, group in groups.items():
+                if route == "verbs":
+                    waiters += self._post_verbs(engine, opcode, group, what, imm)
+                    continue
                 waiter = self._post(engine, self._handle if route == "tcp" else self._shm, opcode, group, what)
                 if waiter is not None:
                     waiters.append(waiter)
@@ -332,10 +375,38 @@ class Peer:
                 return
         try:
             await engine.wait_all(waiters, timeout, what)
-        except ConnectionLost:
-            if self._broken is not None:  # say why, when the control plane knows
-                raise self._lost(what) from None
+        except HixlError as exc:
+            if self._verbs_h is not None and self._broken is None and lib.hx_peer_status(self._verbs_h):
+                # RC semantics: an error puts the queue pair in error; connect again.
+                self._broken = ConnectionLost(f"RDMA queue pair in error after {type(exc).__name__}")
+            if isinstance(exc, ConnectionLost) and self._broken is not None:
+                raise self._lost(what) from None  # say why, when it is known
             raise
+
+    _VERBS_CHAIN = 128  # pairs per work-request chain; the send queue holds 512 WRs
+
+    def _post_verbs(self, engine: Any, opcode: int, group: list, what: str, imm: int | None) -> list:
+        """One WR chain per 128 pairs, in order; ``imm`` rides on the very last write."""
+        waiters = []
+        for start in range(0, len(group), self._VERBS_CHAIN):
+            chunk = group[start : start + self._VERBS_CHAIN]
+            n = len(chunk)
+            sges = ffi.new("hx_sge[]", n)
+            for i, (rs, ls) in enumerate(chunk):
+                rr = rs.region
+                sge = sges[i]
+                sge.local_region = ls.region.id
+                sge.remote_region = rr._rkey  # for verbs: the rkey the remote NIC checks
+                sge.remote_off = rr.info.address + rs.offset  # and the remote virtual address
+                sge.local_off = ls.offset
+                sge.len = rs.nbytes
+            keep = tuple(ls.region for _, ls in chunk)
+            last = start + n >= len(group)
+            if imm is not None and last:
+                waiters.append(engine.post_imm(self._verbs_h, sges, n, keep, what, imm))
+            else:
+                waiters.append(engine.post(self._verbs_h, opcode, sges, n, keep, what))
+        return [w_ for w_ in waiters if w_ is not None]
 
     def _post(self, engine: Any, handle: Any, opcode: int, group: list, what: str) -> Any:
         n = len(group)
@@ -400,9 +471,8 @@ class Peer:
         self.agent._forget_peer(self)
 
     def _close_native(self) -> None:
-        lib.hx_peer_close(self._handle)
-        if self._shm is not None:
-            lib.hx_peer_close(self._shm)
+        for handle in self._handles():
+            lib.hx_peer_close(handle)
 
     async def _close_uds(self) -> None:
         if self._uds is not None:
@@ -413,12 +483,9 @@ class Peer:
     def _free(self) -> None:
         self._closed = True
         self._freed = True
-        if self._handle is not None:
-            lib.hx_peer_free(self._handle)
-            self._handle = None
-        if self._shm is not None:
-            lib.hx_peer_free(self._shm)
-            self._shm = None
+        for handle in self._handles():
+            lib.hx_peer_free(handle)
+        self._handle = self._shm = self._verbs_h = None
 
     def __repr__(self) -> str:
         return f"<Peer {self.name or self.remote_id.hex()} via {self.transport}>"

@@ -11,7 +11,7 @@ __all__ = ["RemoteRegion", "RemoteSlice"]
 class RemoteRegion:
     """A region of a peer's agent, as its descriptor describes it. Slice it like a Region."""
 
-    __slots__ = ("info", "_id", "_access", "_agent_id")
+    __slots__ = ("info", "_id", "_access", "_agent_id", "_rkey")
 
     def __init__(self, info: RegionInfo) -> None:
         self.info = info
@@ -19,6 +19,8 @@ class RemoteRegion:
         self._id = info.region_id
         self._access = int(info.access)
         self._agent_id = info.agent_id
+        key = info.keys.get(1)  # the verbs rkey, when the owner has an RDMA device
+        self._rkey = int.from_bytes(key, "little") if key is not None and len(key) == 4 else None
 
     @property
     def name(self) -> str | None:

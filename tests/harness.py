@@ -34,22 +34,22 @@ class Target:
 
     @classmethod
     async def start(cls, listen: str = "127.0.0.1:0", heartbeat: float = 1.0, token: str = TOKEN,
-                    prefix: tuple[str, ...] = ()) -> Target:
+                    prefix: tuple[str, ...] = (), rdma_timeout: int = 14) -> Target:
         """``prefix`` runs the target under another command (e.g. unshare)."""
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         proc = await anyio.open_process(
             [*prefix, sys.executable, "-m", "tests.target", "--token", token, "--listen", listen,
-             "--heartbeat", str(heartbeat)],
+             "--heartbeat", str(heartbeat), "--rdma-timeout", str(rdma_timeout)],
             cwd=ROOT, env=env, stderr=None,
         )
         out = BufferedByteReceiveStream(proc.stdout)
-        with anyio.fail_after(30):
+        with anyio.fail_after(300 if os.environ.get("SOFTROCE_GUEST") else 30):  # emulated VM: slow start
             first = json.loads(await out.receive_until(b"\n", 1 << 20))
         return cls(proc, out, first["address"])
 
     async def cmd(self, **kw) -> dict:
         await self.proc.stdin.send((json.dumps(kw) + "\n").encode())
-        with anyio.fail_after(60):
+        with anyio.fail_after(600 if os.environ.get("SOFTROCE_GUEST") else 60):
             reply = json.loads(await self.out.receive_until(b"\n", 1 << 20))
         assert reply.get("ok"), reply
         return reply

@@ -29,9 +29,11 @@ async def main() -> None:
     p.add_argument("--token", required=True)
     p.add_argument("--listen", default="127.0.0.1:0")
     p.add_argument("--heartbeat", type=float, default=1.0)
+    p.add_argument("--rdma-timeout", type=int, default=14)
     args = p.parse_args()
     async with aiohixl.Agent("target", listen=args.listen, token=args.token,
-                             heartbeat_interval=args.heartbeat, heartbeat_timeout=args.heartbeat * 3) as agent:
+                             heartbeat_interval=args.heartbeat, heartbeat_timeout=args.heartbeat * 3,
+                             rdma_timeout=args.rdma_timeout, rdma_retry_count=1) as agent:
         regions = {}
         arrays = {}
         print(json.dumps({"address": agent.address}), flush=True)
@@ -68,6 +70,12 @@ async def main() -> None:
                 await asyncio.gather(*(peer.put(remote[i * size : (i + 1) * size], src[i * size : (i + 1) * size])
                                        for i in range(count)))
                 await peer.aclose()
+            elif op == "notify":
+                # The next RDMA WRITE WITH IMM that lands here.
+                note = await asyncio.wait_for(agent.notification(), cmd.get("timeout", 60))
+                out.update(imm=note.imm, nbytes=note.nbytes)
+            elif op == "info":
+                out.update(verbs=agent.verbs_unavailable or "ready", transports=agent._offered_transports())
             elif op == "close":
                 await regions.pop(cmd["name"]).close()
             elif op == "exit":
