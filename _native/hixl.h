@@ -104,6 +104,7 @@ int hx_cma_probe(int pid, uint64_t addr, uint8_t *out, uint32_t len);
  * initiator's QP; accept: the target's QP for a session. */
 int hx_verbs_open(hx_agent *a, const char *dev, int port, int gid_index, int timeout, int retry_cnt);
 const char *hx_verbs_error(void);
+int hx_verbs_built(void); /* 1 when compiled with rdma-core's headers */
 int hx_verbs_local(hx_agent *a, uint8_t *gid, uint16_t *lid, int *mtu);
 int hx_verbs_reg(hx_agent *a, uint32_t region, int readonly, uint32_t *rkey);
 hx_peer *hx_verbs_peer_new(hx_agent *a, uint32_t *qpn, uint32_t *psn, int *status);

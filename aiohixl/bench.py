@@ -265,7 +265,8 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
             agent.allocate(max_size, name="dst")
             peer = agent.loopback()
         else:
-            peer = await agent.connect(target.address, transports=("tcp",) if name == "tcp" else None)
+            only = {"tcp": ("tcp",), "verbs": ("verbs", "tcp")}.get(name)
+            peer = await agent.connect(target.address, transports=only)
         remote = await peer.region("udst" if name == "shm-cma" else "dst")
         out["path"] = await peer.path(remote)
         if name.startswith("shm") and out["path"] != name.replace("shm", "shm-memfd", 1) and out["path"] != name:
@@ -317,7 +318,7 @@ def render(r: Results) -> str:
     lines.append(f"  raw tcp stream (loopback, 2 processes): {b['raw_socket_gbps']:.2f} GB/s")
     lines.append(f"  raw tcp 4 KiB send + 1-byte reply:      {b['raw_socket_rtt_us']:.1f} us")
     for name, t in r.transports.items():
-        memcpy_based = name != "tcp"
+        memcpy_based = name not in ("tcp", "verbs")
         base_bw = (lambda s: b["memcpy_gbps"][s]) if memcpy_based else (lambda s: b["raw_socket_gbps"])
         base_name = "memcpy" if memcpy_based else "raw tcp"
         lines += ["", f"{name} (path: {t['path']}):", "  latency            median      p99"]
@@ -342,9 +343,18 @@ def render(r: Results) -> str:
     return "\n".join(lines)
 
 
+def default_transports() -> list[str]:
+    names = ["loopback", "shm", "shm-cma", "tcp"]
+    from .info import transports
+
+    if any(t.name == "verbs" and t.available for t in transports()):
+        names.append("verbs")
+    return names
+
+
 async def bench(args: argparse.Namespace) -> Results:
     plan = Plan.make(args.quick, args.full)
-    transports = args.transports.split(",")
+    transports = args.transports.split(",") if args.transports else default_transports()
     results = Results(machine={"cpus": os.cpu_count(), "python": sys.version.split()[0],
                                "quick": args.quick, "full": args.full})
     steps = 2 + len(plan.bw_sizes) + len(transports) * (2 * len(plan.lat_sizes) + len(plan.bw_sizes) + 1) + 1
@@ -376,8 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="aiohixl bench", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a smoke run that finishes within a minute")
     p.add_argument("--full", action="store_true", help="also 256 MiB ops")
-    p.add_argument("--transports", default="loopback,shm,shm-cma,tcp",
-                   help="comma-separated: loopback, shm (memfd region), shm-cma (user memory), tcp")
+    p.add_argument("--transports", default=None,
+                   help="comma-separated: loopback, shm (memfd region), shm-cma (user memory), tcp, verbs"
+                        " (default: all available here)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--serve", type=int, metavar="BYTES", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

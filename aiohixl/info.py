@@ -55,21 +55,31 @@ def _shm_status() -> TransportStatus:
     return TransportStatus("shm", True, f"same host: memfd regions mapped; {cma}")
 
 
+def _verbs_status() -> TransportStatus:
+    from ._native import lib as native
+
+    if not native.hx_verbs_built():
+        return TransportStatus("verbs", False, "built without rdma-core headers (install libibverbs-dev, reinstall)")
+    if ctypes.util.find_library("ibverbs") is None:
+        return TransportStatus("verbs", False, "libibverbs not installed (apt install libibverbs1 ibverbs-providers)")
+    from . import _rdma
+
+    try:
+        choice = _rdma.choose()
+    except ValueError as exc:
+        return TransportStatus("verbs", False, str(exc))
+    return TransportStatus(
+        "verbs", True, f"{choice.device} port {choice.port} GID[{choice.gid_index}] {choice.gid} {choice.gid_type}".strip()
+    )
+
+
 def transports() -> list[TransportStatus]:
     result = [
         TransportStatus("loopback", True, "ops between regions of one agent"),
         TransportStatus("tcp", True, "any two hosts; native epoll I/O thread"),
         _shm_status(),
     ]
-    lib = ctypes.util.find_library("ibverbs")
-    devices = rdma_devices()
-    if lib is None:
-        verbs = TransportStatus("verbs", False, "libibverbs not installed (apt install libibverbs1)")
-    elif not devices:
-        verbs = TransportStatus("verbs", False, "no RDMA device (/sys/class/infiniband is empty)")
-    else:
-        verbs = TransportStatus("verbs", False, f"{lib} and {len(devices)} device(s) found; not in this version yet")
-    result.append(verbs)
+    result.append(_verbs_status())
     return result
 
 

@@ -53,6 +53,13 @@ async def pair():
     await target.aclose()
 
 
+def test_info_reports_the_device():
+    from aiohixl.info import transports
+
+    verbs = next(t for t in transports() if t.name == "verbs")
+    assert verbs.available and CHOICE.device in verbs.detail, verbs
+
+
 @pytest.mark.asyncio(loop_scope="module")
 async def test_verbs_is_the_path(pair):
     assert pair["peer"].transport == "verbs"
