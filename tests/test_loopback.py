@@ -246,21 +246,28 @@ async def test_timeout_raises_and_op_still_completes(agent):
 async def test_close_agent_with_ops_in_flight():
     agent = aiohixl.Agent("closing", copy_threads=1)
     await agent.__aenter__()
-    src = agent.register(random_bytes(16 << 20, seed=2))
-    dst_arr = np.zeros(64 * (16 << 20), dtype=np.uint8)
+    piece, pieces, ops = 2 << 20, 32, 16
+    src = agent.register(random_bytes(piece, seed=2))
+    dst_arr = np.zeros(ops * pieces * piece, dtype=np.uint8)
     agent.register(dst_arr, name="d")
     peer = agent.loopback()
     d = await peer.region("d")
-    step = 16 << 20
-    tasks = [asyncio.create_task(peer.put(d[i * step : (i + 1) * step], src)) for i in range(64)]
+    step = pieces * piece
+    # Each op is 32 pieces: the caller copies one, the single pool thread queues
+    # the rest, ~1 GB in all, which cannot be done by the time aclose() runs.
+    tasks = [
+        asyncio.create_task(
+            peer.put_many([(d[i * step + j * piece : i * step + (j + 1) * piece], src) for j in range(pieces)])
+        )
+        for i in range(ops)
+    ]
     await asyncio.sleep(0)
     await agent.aclose()
     results = await asyncio.gather(*tasks, return_exceptions=True)
-    done = [r for r in results if r is None]
     failed = [r for r in results if r is not None]
     assert all(isinstance(r, aiohixl.ClosedError) for r in failed), failed
-    assert failed, "64 large copies cannot all finish before aclose"
-    expected = random_bytes(step, seed=2)
+    assert failed, "1 GB of queued copies cannot all finish before aclose"
+    expected = np.tile(random_bytes(piece, seed=2), pieces)
     for i, r in enumerate(results):
         if r is None:
             assert np.array_equal(dst_arr[i * step : (i + 1) * step], expected)
