@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import socket
@@ -52,6 +53,7 @@ class Results:
     machine: dict[str, Any] = field(default_factory=dict)
     baselines: dict[str, Any] = field(default_factory=dict)
     transports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    peers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _fmt_size(n: int) -> str:
@@ -177,7 +179,12 @@ async def serve(max_size: int) -> None:
             line = await loop.run_in_executor(None, sys.stdin.readline)
             if not line or line.strip() == "exit":
                 return
-            print(time.process_time(), flush=True)  # "cpu"
+            cmd = line.split()
+            if cmd[0] == "hash":  # hash <region> <nbytes>: what landed, for verification
+                region = agent._named[cmd[1]]
+                print(hashlib.sha256(region.memory[: int(cmd[2])]).hexdigest(), flush=True)
+            else:
+                print(time.process_time(), flush=True)  # "cpu"
 
 
 class TargetProcess:
@@ -191,9 +198,12 @@ class TargetProcess:
             raise RuntimeError("the bench target did not start")
 
     def cpu(self) -> float:
-        self.proc.stdin.write("cpu\n")
+        return float(self.ask("cpu"))
+
+    def ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
-        return float(self.proc.stdout.readline())
+        return self.proc.stdout.readline().strip()
 
     def close(self) -> None:
         try:
@@ -261,6 +271,10 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
     max_size = max(max_size, 256 * 4 * KiB)
     async with aiohixl.Agent(f"bench-{name}", token=TOKEN) as agent:
         local = agent.allocate(max_size)
+        import numpy as np
+
+        np.frombuffer(local.memory, dtype=np.uint8)[:] = np.random.default_rng(5).integers(
+            0, 256, max_size, dtype=np.uint8)
         if name == "loopback":
             agent.allocate(max_size, name="dst")
             peer = agent.loopback()
@@ -288,6 +302,14 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
             progress.step(f"{name} bandwidth {_fmt_size(size)}")
         out["small_ops"] = await small_ops(peer, remote, local, plan.small_ops)
         progress.step(f"{name} small ops")
+        # The same check the peers get: the target's bytes equal the source's.
+        await peer.put(remote[:max_size], local)
+        want = hashlib.sha256(local.memory).hexdigest()
+        if target is None:
+            got = hashlib.sha256(agent._named["dst"].memory[:max_size]).hexdigest()
+        else:
+            got = target.ask(f"hash {'udst' if name == 'shm-cma' else 'dst'} {max_size}")
+        out["verified"] = got == want
     results.transports[name] = out
 
 
@@ -307,6 +329,80 @@ async def idle_cpu(seconds: float, target: TargetProcess) -> dict[str, float]:
 
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
+
+
+def render_peers(r: Results) -> list[str]:
+    """Peers beside the aiohixl path they compare with; ratios > 1 mean aiohixl is better."""
+    lines = ["", "peers (two processes, host DRAM, one write at a time, target bytes verified):"]
+    sizes = [k for k in next(iter(r.transports.values()))["bandwidth"]] if r.transports else []
+    head = f"  {'':<22}{'4 KiB lat':>11}{'64 KiB lat':>12}" + "".join(f"{s:>10}" for s in sizes)
+    lines.append(head + "   verified")
+    for label, p in r.peers.items():
+        ours_name = p["compare_with"]
+        ours = r.transports.get(ours_name)
+        if "error" in p:
+            lines.append(f"  {label:<22} not run: {' '.join(p['error'])}")
+            continue
+        lat = p["latency_us"]
+        row = f"  {label:<22}{lat['4096']['median']:>8.1f} us{lat['65536']['median']:>9.1f} us"
+        row += "".join(f"{p['bandwidth_gbps'][str(_size_of(s))]:>10.2f}" for s in sizes)
+        lines.append(row + f"   {p['verified']}" + (f"  ({p['exit']})" if "exit" in p else ""))
+        if ours is None:
+            continue
+        olat = ours["latency"]
+        row = f"  {'aiohixl ' + ours_name:<22}{olat['put 4 KiB']['median_us']:>8.1f} us{olat['put 64 KiB']['median_us']:>9.1f} us"
+        row += "".join(f"{ours['bandwidth'][s]['one_gbps']:>10.2f}" for s in sizes)
+        lines.append(row + f"   {ours.get('verified')}")
+        row = (f"  {'  aiohixl advantage':<22}{lat['4096']['median'] / olat['put 4 KiB']['median_us']:>9.2f}x"
+               f"{lat['65536']['median'] / olat['put 64 KiB']['median_us']:>10.2f}x")
+        row += "".join(f"{ours['bandwidth'][s]['one_gbps'] / p['bandwidth_gbps'][str(_size_of(s))]:>9.2f}x" for s in sizes)
+        lines.append(row)
+    return lines
+
+
+def _size_of(label: str) -> int:
+    n, unit = label.split()
+    return int(n) * (MiB if unit == "MiB" else KiB)
+
+
+def plot(r: Results, path: str) -> None:
+    """Bandwidth by size for every path (and peer), and 4 KiB latency, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (bw, lat) = plt.subplots(1, 2, figsize=(13, 5))
+    sizes = list(r.baselines["memcpy_gbps"])
+    xs = [_size_of(s) for s in sizes]
+    bw.plot(xs, [r.baselines["memcpy_gbps"][s] for s in sizes], "k--", label="memcpy (baseline)")
+    bw.axhline(r.baselines["raw_socket_gbps"], color="grey", linestyle=":", label="raw tcp stream (baseline)")
+    names, values = [], []
+    for name, t in r.transports.items():
+        bw.plot(xs, [t["bandwidth"][s]["one_gbps"] for s in sizes], "o-", label=f"aiohixl {name}")
+        names.append(f"aiohixl {name}")
+        values.append(t["latency"]["put 4 KiB"]["median_us"])
+    for label, p in r.peers.items():
+        if "error" in p:
+            continue
+        bw.plot(xs, [p["bandwidth_gbps"][str(x)] for x in xs], "s:", label=label)
+        names.append(label)
+        values.append(p["latency_us"]["4096"]["median"])
+    bw.set_xscale("log", base=2)
+    bw.set_xticks(xs, sizes)
+    bw.set_ylabel("GB/s, one awaited put at a time")
+    bw.set_title("bandwidth")
+    bw.legend(fontsize=8)
+    lat.barh(names, values)
+    lat.set_xscale("log")
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    lat.xaxis.set_major_formatter(ScalarFormatter())
+    lat.xaxis.set_minor_formatter(NullFormatter())
+    lat.set_xlabel("median us, awaited 4 KiB put (log scale)")
+    lat.set_title("latency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def render(r: Results) -> str:
@@ -336,11 +432,36 @@ def render(r: Results) -> str:
             )
         s = t["small_ops"]
         lines.append(f"  4 KiB puts/s: gather {s['gather_ops_per_s']:,.0f}   put_many {s['put_many_ops_per_s']:,.0f}")
+    if r.peers:
+        lines += render_peers(r)
     if "idle" in r.machine:
         i = r.machine["idle"]
         lines += ["", f"idle connected agents over {i['seconds']:.0f} s: initiator {i['initiator_pct']:.2f}% "
                       f"of a core, target {i['target_pct']:.2f}%"]
     return "\n".join(lines)
+
+
+PEER_RUNS = (
+    # (label, peer, env, the aiohixl transport it is compared with)
+    ("nixl (UCX default)", "nixl", {}, "shm-cma"),
+    ("nixl UCX_TLS=tcp", "nixl", {"UCX_TLS": "tcp"}, "tcp"),
+    ("mooncake tcp", "mooncake", {}, "tcp"),
+)
+
+
+def run_peers(plan: Plan, results: Results, progress: Progress) -> None:
+    from . import bench_peers
+
+    sizes = list(plan.bw_sizes)
+    for label, kind, env, ours in PEER_RUNS:
+        why = bench_peers.available(kind)
+        if why is None:
+            out = bench_peers.run(kind, sizes, list(plan.lat_sizes), plan.lat_ops, plan.bw_seconds, env)
+        else:
+            out = {"error": [why]}
+        out["compare_with"] = ours
+        results.peers[label] = out
+        progress.step(f"peer {label}")
 
 
 def default_transports() -> list[str]:
@@ -358,6 +479,7 @@ async def bench(args: argparse.Namespace) -> Results:
     results = Results(machine={"cpus": os.cpu_count(), "python": sys.version.split()[0],
                                "quick": args.quick, "full": args.full})
     steps = 2 + len(plan.bw_sizes) + len(transports) * (2 * len(plan.lat_sizes) + len(plan.bw_sizes) + 1) + 1
+    steps += len(PEER_RUNS) if args.peers else 0
     progress = Progress(steps)
     results.baselines["memcpy_gbps"] = {}
     for size in plan.bw_sizes:
@@ -375,6 +497,8 @@ async def bench(args: argparse.Namespace) -> Results:
         if target:
             results.machine["idle"] = await idle_cpu(plan.idle_seconds, target)
             progress.step("idle CPU")
+        if args.peers:
+            run_peers(plan, results, progress)
     finally:
         if target:
             target.close()
@@ -390,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated: loopback, shm (memfd region), shm-cma (user memory), tcp, verbs"
                         " (default: all available here)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="draw bandwidth and latency (needs matplotlib)")
+    p.add_argument("--peers", action="store_true",
+                   help="also run NIXL (nixl-cu12) and Mooncake (mooncake-transfer-engine-non-cuda) when installed")
     p.add_argument("--serve", type=int, metavar="BYTES", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
@@ -400,6 +527,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(asdict(results), f, indent=2)
+    if args.plot:
+        try:
+            plot(results, args.plot)
+        except ImportError:
+            print("--plot needs matplotlib: pip install 'aiohixl[plot]'", file=sys.stderr)
+            return 1
     return 0
 
 
