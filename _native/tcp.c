@@ -23,6 +23,7 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sched.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -33,8 +34,8 @@
 #define HX_TCP_CHUNK (1u << 20)
 #define OUTQ_HIGH 512      /* target stops reading requests above this many queued responses */
 #define MAX_IOV 64
-#define SPIN_NS 50000
-#define HX_INLINE_SEND (256u * 1024u) /* bytes a submitting thread may send itself */      /* after activity, poll this long before blocking */
+#define SPIN_NS 200000      /* after activity, poll this long before blocking */
+#define HX_INLINE_SEND (256u * 1024u) /* bytes a submitting thread may send itself */
 
 enum { W_PUT = 1, W_GET = 2 };
 enum { R_ACK = 1, R_DATA = 2 };
@@ -491,6 +492,8 @@ static void *io_main(void *arg)
         }
         if (n > 0)
             active_until = now_ns() + SPIN_NS;
+        else if (timeout == 0)
+            sched_yield(); /* spinning: let the application's threads have the core */
         bool sweep_needed = false;
         for (int i = 0; i < n; i++) {
             conn *c = evs[i].data.ptr;
