@@ -336,7 +336,7 @@ def render_peers(r: Results) -> list[str]:
     lines = ["", "peers (two processes, host DRAM, one write at a time, target bytes verified):"]
     sizes = [k for k in next(iter(r.transports.values()))["bandwidth"]] if r.transports else []
     head = f"  {'':<22}{'4 KiB lat':>11}{'64 KiB lat':>12}" + "".join(f"{s:>10}" for s in sizes)
-    lines.append(head + "   verified")
+    lines.append(head + "  idle CPU  verified")
     for label, p in r.peers.items():
         ours_name = p["compare_with"]
         ours = r.transports.get(ours_name)
@@ -346,13 +346,15 @@ def render_peers(r: Results) -> list[str]:
         lat = p["latency_us"]
         row = f"  {label:<22}{lat['4096']['median']:>8.1f} us{lat['65536']['median']:>9.1f} us"
         row += "".join(f"{p['bandwidth_gbps'][str(_size_of(s))]:>10.2f}" for s in sizes)
-        lines.append(row + f"   {p['verified']}" + (f"  ({p['exit']})" if "exit" in p else ""))
+        lines.append(row + f"  {p.get('idle_cpu_pct', float('nan')):6.1f}%  {p['verified']}"
+                     + (f"  ({p['exit']})" if "exit" in p else ""))
         if ours is None:
             continue
         olat = ours["latency"]
         row = f"  {'aiohixl ' + ours_name:<22}{olat['put 4 KiB']['median_us']:>8.1f} us{olat['put 64 KiB']['median_us']:>9.1f} us"
         row += "".join(f"{ours['bandwidth'][s]['one_gbps']:>10.2f}" for s in sizes)
-        lines.append(row + f"   {ours.get('verified')}")
+        idle = r.machine.get("idle", {}).get("initiator_pct", float("nan"))
+        lines.append(row + f"  {idle:6.1f}%  {ours.get('verified')}")
         row = (f"  {'  aiohixl advantage':<22}{lat['4096']['median'] / olat['put 4 KiB']['median_us']:>9.2f}x"
                f"{lat['65536']['median'] / olat['put 64 KiB']['median_us']:>10.2f}x")
         row += "".join(f"{ours['bandwidth'][s]['one_gbps'] / p['bandwidth_gbps'][str(_size_of(s))]:>9.2f}x" for s in sizes)
@@ -456,7 +458,8 @@ def run_peers(plan: Plan, results: Results, progress: Progress) -> None:
     for label, kind, env, ours in PEER_RUNS:
         why = bench_peers.available(kind)
         if why is None:
-            out = bench_peers.run(kind, sizes, list(plan.lat_sizes), plan.lat_ops, plan.bw_seconds, env)
+            out = bench_peers.run(kind, sizes, list(plan.lat_sizes), plan.lat_ops, plan.bw_seconds, env,
+                                  idle_seconds=min(plan.idle_seconds, 2.0))
         else:
             out = {"error": [why]}
         out["compare_with"] = ours

@@ -158,7 +158,8 @@ def _measure(write: Callable[[int], None], sizes: list[int], lat_sizes: list[int
     return out
 
 
-def initiator(kind: str, sizes: list[int], lat_sizes: list[int], ops: int, seconds: float) -> dict[str, Any]:
+def initiator(kind: str, sizes: list[int], lat_sizes: list[int], ops: int, seconds: float,
+              idle_seconds: float = 2.0) -> dict[str, Any]:
     size = max(sizes + lat_sizes)
     src = _pattern(size)
     target = _Target(kind, size)
@@ -200,6 +201,10 @@ def initiator(kind: str, sizes: list[int], lat_sizes: list[int], ops: int, secon
         result = _measure(write, sizes, lat_sizes, ops, seconds)
         verified = target.ask(f"hash 0 {size}") == hashlib.sha256(src).hexdigest()
         result["verified"] = verified
+        # What the initiator's process burns while connected and doing nothing.
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        time.sleep(idle_seconds)
+        result["idle_cpu_pct"] = 100 * (time.process_time() - cpu0) / (time.perf_counter() - t0)
         result["settings"] = (
             f"UCX backend, progress thread, prepared handles, polling check_xfer_state, "
             f"UCX_TLS={os.environ.get('UCX_TLS', '(UCX default)')}"
@@ -211,10 +216,11 @@ def initiator(kind: str, sizes: list[int], lat_sizes: list[int], ops: int, secon
 
 
 def run(kind: str, sizes: list[int], lat_sizes: list[int], ops: int, seconds: float,
-        env: dict[str, str] | None = None) -> dict[str, Any]:
+        env: dict[str, str] | None = None, idle_seconds: float = 2.0) -> dict[str, Any]:
     """Runs the peer in a process of its own (its libraries and env stay out of ours)."""
     cmd = [sys.executable, "-m", "aiohixl.bench_peers", kind, "--sizes", ",".join(map(str, sizes)),
-           "--lat-sizes", ",".join(map(str, lat_sizes)), "--ops", str(ops), "--seconds", str(seconds)]
+           "--lat-sizes", ",".join(map(str, lat_sizes)), "--ops", str(ops), "--seconds", str(seconds),
+           "--idle", str(idle_seconds)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:
@@ -233,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lat-sizes", default="4096,65536")
     p.add_argument("--ops", type=int, default=2000)
     p.add_argument("--seconds", type=float, default=1.0)
+    p.add_argument("--idle", type=float, default=2.0)
     args = p.parse_args(argv)
     global _OUT
     _OUT = _private_stdout()
@@ -243,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sizes = [int(s) for s in args.sizes.split(",")]
         lat = [int(s) for s in args.lat_sizes.split(",")]
-        _say(json.dumps(initiator(args.kind, sizes, lat, args.ops, args.seconds)))
+        _say(json.dumps(initiator(args.kind, sizes, lat, args.ops, args.seconds, args.idle)))
     return 0
 
 
