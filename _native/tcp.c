@@ -229,6 +229,11 @@ static void append_locked(conn *c, frame *first, frame *last, uint32_t count)
 /* Ends a connection: every frame fails with status. I/O thread only. */
 static void conn_fail(hx_agent *a, conn *c, int status)
 {
+    /* A local close or give-up, asked for before the socket broke (the peer
+     * may close because we did), says why better than the socket does. */
+    int failed = atomic_load(&c->base.failed);
+    if (failed)
+        status = failed;
     pthread_mutex_lock(&c->lock);
     if (c->broken) {
         pthread_mutex_unlock(&c->lock);

@@ -85,7 +85,8 @@ def test_cancellation_on_trio():
     run(main)
 
 
-def test_two_process_put_get_on_trio():
+@pytest.mark.parametrize("transports", [("tcp",), None], ids=["tcp", "auto"])
+def test_two_process_put_get_on_trio(transports):
     from .harness import TOKEN, Target, pattern, sha
 
     async def main():
@@ -93,7 +94,8 @@ def test_two_process_put_get_on_trio():
         try:
             await target.alloc("kv", 8 << 20)
             async with aiohixl.Agent("trio-init", token=TOKEN) as agent:
-                peer = await agent.connect(target.address)
+                peer = await agent.connect(target.address, transports=transports)
+                assert peer.transport == ("tcp" if transports else "shm")
                 kv = await peer.region("kv")
                 src = agent.register(pattern(8 << 20, 31))
                 await peer.put(kv[:4096], src[:4096])
