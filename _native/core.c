@@ -167,16 +167,21 @@ int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len,
 
 /* ---------- completion ring ---------- */
 
-void hx_complete(hx_agent *a, uint64_t op_id, int status)
+/* Pushes one entry; with must_fit false a full ring drops it (and says so). */
+static bool ring_push(hx_agent *a, uint64_t op_id, int status, uint32_t reserved, bool must_fit)
 {
     pthread_mutex_lock(&a->ring_lock);
     /* Never drop a completion: the Python side admits at most ring_cap ops,
      * so this wait is a safety net, not a path. */
-    while (a->ring_count == a->ring_cap)
+    while (a->ring_count == a->ring_cap) {
+        if (!must_fit) {
+            pthread_mutex_unlock(&a->ring_lock);
+            return false;
+        }
         pthread_cond_wait(&a->ring_space, &a->ring_lock);
+    }
     uint32_t tail = (a->ring_head + a->ring_count) % a->ring_cap;
-    a->ring[tail].op_id = op_id;
-    a->ring[tail].status = status;
+    a->ring[tail] = (hx_completion){.op_id = op_id, .status = status, .reserved = reserved};
     a->ring_count++;
     bool wake = !a->signaled;
     a->signaled = true;
@@ -187,30 +192,22 @@ void hx_complete(hx_agent *a, uint64_t op_id, int status)
         ssize_t n = write(a->wake_fd, &one, sizeof one);
         (void)n;
     }
+    return true;
+}
+
+void hx_complete(hx_agent *a, uint64_t op_id, int status)
+{
+    ring_push(a, op_id, status, 0, true);
 }
 
 void hx_notify(hx_agent *a, uint32_t imm, uint32_t len)
 {
-    pthread_mutex_lock(&a->ring_lock);
     /* Notifications are not admitted like ops: when the ring is full one is
      * dropped and counted rather than blocking the completion thread. */
-    if (a->ring_count == a->ring_cap) {
+    if (!ring_push(a, HX_NOTIFY_FLAG | imm, HX_OK, len, false)) {
+        pthread_mutex_lock(&a->ring_lock);
         a->notify_dropped++;
         pthread_mutex_unlock(&a->ring_lock);
-        return;
-    }
-    uint32_t tail = (a->ring_head + a->ring_count) % a->ring_cap;
-    a->ring[tail].op_id = HX_NOTIFY_FLAG | imm;
-    a->ring[tail].status = HX_OK;
-    a->ring[tail].reserved = len;
-    a->ring_count++;
-    bool wake = !a->signaled;
-    a->signaled = true;
-    pthread_mutex_unlock(&a->ring_lock);
-    if (wake) {
-        uint64_t one = 1;
-        ssize_t n = write(a->wake_fd, &one, sizeof one);
-        (void)n;
     }
 }
 

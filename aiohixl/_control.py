@@ -28,6 +28,7 @@ import anyio
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from . import _wire as w
+from ._files import read_text
 from .errors import AuthenticationError, ConnectionLost, HixlError, InvalidArgument, ProtocolError
 
 log = logging.getLogger("aiohixl")
@@ -53,12 +54,6 @@ def parse_address(address: str, what: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def _read_id(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 @dataclass(frozen=True)
@@ -76,7 +71,7 @@ class HostIdentity:
 
     @classmethod
     def local(cls) -> HostIdentity:
-        machine = _read_id("/etc/machine-id") or socket.gethostname()
+        machine = read_text("/etc/machine-id") or socket.gethostname()
         ns = []
         for kind in ("pid", "user", "net"):
             try:
@@ -85,7 +80,7 @@ class HostIdentity:
                 ns.append(f"{kind}:?")
         return cls(
             host=f"{socket.gethostname()}/{machine}",
-            boot=_read_id("/proc/sys/kernel/random/boot_id"),
+            boot=read_text("/proc/sys/kernel/random/boot_id"),
             ns=",".join(ns),
         )
 

@@ -95,18 +95,15 @@ class Engine:
         if rc == 1:  # HX_DONE_INLINE
             self.completed += 1
             return None
-        if rc < 0:
-            raise status_error(rc, what)
-        waiter = self.backend.new_waiter()
-        _hold(keep)
-        self._ops[op_id] = _Op(waiter, keep, what)
-        return waiter
+        return self._track(op_id, rc, keep, what)
 
     def post_imm(self, peer: Any, sges: Any, n: int, keep: tuple, what: str, imm: int) -> Any:
         """Like post(), as an RDMA WRITE WITH IMM (verbs peers only)."""
         op_id = self._next_id
         self._next_id += 1
-        rc = lib.hx_verbs_post_imm(peer, op_id, sges, n, imm)
+        return self._track(op_id, lib.hx_verbs_post_imm(peer, op_id, sges, n, imm), keep, what)
+
+    def _track(self, op_id: int, rc: int, keep: tuple, what: str) -> Any:
         if rc < 0:
             raise status_error(rc, what)
         waiter = self.backend.new_waiter()

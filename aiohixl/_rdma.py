@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ._files import read_text
+
 SYSFS = "/sys/class/infiniband"
 
 
@@ -23,16 +25,10 @@ class RdmaChoice:
     gid_type: str
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _active(device: str, port: int) -> bool:
-    return "ACTIVE" in _read(f"{SYSFS}/{device}/ports/{port}/state")
+    return "ACTIVE" in read_text(f"{SYSFS}/{device}/ports/{port}/state")
 
 
 def _gids(device: str, port: int) -> list[tuple[int, str, str]]:
@@ -43,10 +39,10 @@ def _gids(device: str, port: int) -> list[tuple[int, str, str]]:
     except OSError:
         return out
     for name in sorted(names, key=int):
-        gid = _read(f"{base}/gids/{name}")
+        gid = read_text(f"{base}/gids/{name}")
         if not gid or gid.replace("0", "").replace(":", "") == "":
             continue
-        out.append((int(name), gid, _read(f"{base}/gid_attrs/types/{name}")))
+        out.append((int(name), gid, read_text(f"{base}/gid_attrs/types/{name}")))
     return out
 
 

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 from . import __version__
+from ._files import read_text
 
 _IB_SYSFS = "/sys/class/infiniband"
 
@@ -30,25 +31,19 @@ def rdma_devices() -> list[tuple[str, list[str]]]:
         ports = []
         pdir = os.path.join(_IB_SYSFS, dev, "ports")
         for port in sorted(os.listdir(pdir), key=int) if os.path.isdir(pdir) else []:
-            state = _read(os.path.join(pdir, port, "state")).partition(":")[2].strip() or "?"
-            layer = _read(os.path.join(pdir, port, "link_layer")) or "?"
+            state = read_text(os.path.join(pdir, port, "state")).partition(":")[2].strip() or "?"
+            layer = read_text(os.path.join(pdir, port, "link_layer")) or "?"
             ports.append(f"port {port}: {state} ({layer})")
         out.append((dev, ports))
     return out
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _shm_status() -> TransportStatus:
     if not hasattr(os, "memfd_create"):
         return TransportStatus("shm", False, "no memfd_create on this system")
-    scope = _read("/proc/sys/kernel/yama/ptrace_scope")
+    scope = read_text("/proc/sys/kernel/yama/ptrace_scope")
     cma = {"": "cross-memory attach allowed (no Yama)", "0": "cross-memory attach allowed (ptrace_scope 0)",
            "1": "cross-memory attach only to descendants (ptrace_scope 1): user memory goes over tcp",
            }.get(scope, f"cross-memory attach restricted (ptrace_scope {scope}): user memory goes over tcp")
