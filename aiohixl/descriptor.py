@@ -89,7 +89,7 @@ def decode(data: bytes) -> RegionInfo:
     data = bytes(data)
     if len(data) < _HEAD.size + 2 * _LEN.size:
         raise InvalidDescriptor(f"descriptor too short ({len(data)} bytes)")
-    magic, version, access, kind, _flags, region_id, nbytes, address, agent_id = _HEAD.unpack_from(data)
+    magic, version, access, kind, flags, region_id, nbytes, address, agent_id = _HEAD.unpack_from(data)
     if magic != MAGIC:
         raise InvalidDescriptor("not an aiohixl region descriptor (bad magic)")
     if version != VERSION:
@@ -98,6 +98,8 @@ def decode(data: bytes) -> RegionInfo:
         raise InvalidDescriptor(f"unknown access bits {access:#x}")
     if kind not in _KIND_NAMES:
         raise InvalidDescriptor(f"unknown memory kind {kind}")
+    if flags:
+        raise InvalidDescriptor(f"unknown flags {flags:#x}")
     pos = _HEAD.size
     (name_len,) = _LEN.unpack_from(data, pos)
     pos += _LEN.size
@@ -121,6 +123,8 @@ def decode(data: bytes) -> RegionInfo:
         pos += _KEY.size
         if pos + klen > end:
             raise InvalidDescriptor("descriptor truncated in a transport key")
+        if keys and ktype <= max(keys):
+            raise InvalidDescriptor(f"transport key {ktype} out of order or repeated")
         keys[ktype] = data[pos : pos + klen]
         pos += klen
     return RegionInfo(
