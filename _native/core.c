@@ -244,6 +244,11 @@ int hx_agent_drain(hx_agent *a, hx_completion *out, int max)
     return taken;
 }
 
+void hx_agent_set_stall(hx_agent *a, uint64_t ns)
+{
+    a->stall_ns = ns;
+}
+
 int hx_agent_wake_fd(hx_agent *a)
 {
     return a->wake_fd;
@@ -375,6 +380,7 @@ hx_agent *hx_agent_new(uint32_t ring_capacity, uint32_t copy_threads, int *statu
     pthread_mutex_init(&a->pool_lock, NULL);
     pthread_cond_init(&a->pool_work, NULL);
     pthread_mutex_init(&a->io_lock, NULL);
+    a->stall_ns = 10ull * 1000000000ull;
     atomic_init(&a->next_peer_id, 1);
     for (uint32_t i = 0; i < copy_threads; i++) {
         if (pthread_create(&a->threads[i], NULL, pool_main, a) != 0) {

@@ -52,6 +52,9 @@ typedef struct {
 
 hx_agent *hx_agent_new(uint32_t ring_capacity, uint32_t copy_threads, int *status);
 int hx_agent_wake_fd(hx_agent *a);
+/* tcp: a connection whose PUT payload stops arriving for ns nanoseconds is
+ * closed (default 10 s), so a region it was writing cannot stay busy forever. */
+void hx_agent_set_stall(hx_agent *a, uint64_t ns);
 /* Takes up to max completions; returns how many. Clears the wake fd first. */
 int hx_agent_drain(hx_agent *a, hx_completion *out, int max);
 /* Stops accepting work, fails queued work with HX_E_CLOSED, waits for work

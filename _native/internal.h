@@ -98,6 +98,7 @@ struct hx_agent {
     /* tcp I/O thread, started with the first tcp connection */
     pthread_mutex_t io_lock;
     struct hx_io *io;
+    uint64_t stall_ns; /* tcp: a PUT payload silent this long ends its connection */
 
     void *verbs; /* verbs.c: device, PD, CQ and QPs once opened */
 };

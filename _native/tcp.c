@@ -36,6 +36,9 @@
 #define MAX_IOV 64
 #define SPIN_NS 200000      /* after activity, poll this long before blocking */
 #define HX_INLINE_SEND (256u * 1024u) /* bytes a submitting thread may send itself */
+/* A peer that stops in the middle of a PUT's payload for a->stall_ns is cut
+ * off: the region it was writing is busy meanwhile, and Region.close() waits
+ * for it. Live peers that merely have nothing to send are never affected. */
 
 enum { W_PUT = 1, W_GET = 2 };
 enum { R_ACK = 1, R_DATA = 2 };
@@ -89,9 +92,11 @@ typedef struct conn {
     hx_region *rregion;
     uint64_t rop_id;
     frame *rframe;
+    uint64_t last_rx_ns;
 } conn;
 
 struct hx_io {
+    int payloads; /* target conns in the middle of a PUT payload (I/O thread only) */
     int epfd;
     int evfd;
     pthread_t thread;
@@ -101,6 +106,8 @@ struct hx_io {
 };
 
 static __thread uint8_t scratch[1 << 16]; /* payloads of refused PUTs go here */
+
+static uint64_t now_ns(void);
 
 /* ---------- helpers ---------- */
 
@@ -257,6 +264,10 @@ static void conn_fail(hx_agent *a, conn *c, int status)
         hx_region_release(c->rregion);
         c->rregion = NULL;
     }
+    if (c->target && c->in_payload) {
+        c->in_payload = false;
+        a->io->payloads--;
+    }
 }
 
 /* ---------- target side ---------- */
@@ -312,6 +323,7 @@ static int target_request(hx_agent *a, conn *c)
     c->rdone = 0;
     c->rop_id = op_id;
     c->in_payload = true;
+    a->io->payloads++;
     return 0;
 }
 
@@ -322,6 +334,7 @@ static int target_payload_done(hx_agent *a, conn *c)
         c->rregion = NULL;
     }
     c->in_payload = false;
+    a->io->payloads--;
     return enqueue_response(a, c, R_ACK, c->rstatus, c->rop_id, NULL, 0, NULL);
 }
 
@@ -415,6 +428,8 @@ static int conn_read(hx_agent *a, conn *c)
                 return 0;
             return -2;
         }
+        if (c->target)
+            c->last_rx_ns = now_ns();
         if (c->in_payload) {
             c->rdone += (uint64_t)r;
             if (c->rdone < c->rlen)
@@ -479,16 +494,26 @@ static uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+static void cut_stalled(hx_agent *a)
+{
+    uint64_t now = now_ns();
+    pthread_mutex_lock(&a->io_lock);
+    for (conn *c = a->io->conns; c; c = c->next_all)
+        if (c->target && c->in_payload && !c->broken && now - c->last_rx_ns > a->stall_ns)
+            atomic_store(&c->fail_req, HX_E_PROTO);
+    pthread_mutex_unlock(&a->io_lock);
+}
+
 static void *io_main(void *arg)
 {
     hx_agent *a = arg;
     struct hx_io *io = a->io;
     struct epoll_event evs[64];
-    uint64_t active_until = 0;
+    uint64_t active_until = 0, next_stall_check = 0;
     while (!atomic_load(&io->stop)) {
         /* A short spin after activity saves the wake-up of a blocked thread
          * for the next frame of a burst; an idle agent blocks. */
-        int timeout = now_ns() < active_until ? 0 : -1;
+        int timeout = now_ns() < active_until ? 0 : (io->payloads ? 1000 : -1);
         int n = epoll_wait(io->epfd, evs, 64, timeout);
         if (n < 0) {
             if (errno == EINTR)
@@ -541,6 +566,11 @@ static void *io_main(void *arg)
                     sweep_needed = true;
                 }
             }
+        }
+        if (io->payloads && now_ns() >= next_stall_check) {
+            cut_stalled(a);
+            next_stall_check = now_ns() + 1000000000ull;
+            sweep_needed = true;
         }
         if (sweep_needed)
             sweep(a);

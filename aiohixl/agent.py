@@ -62,6 +62,9 @@ class Agent:
     ``rdma_timeout`` is the QP's local ACK timeout exponent (4.096 us * 2**t)
     and ``rdma_retry_count`` its retry count: a dead peer's ops fail after
     about (retry_count + 1) * timeout.
+    ``stall_timeout``: a tcp peer that stops sending in the middle of a put's
+    payload for this many seconds is disconnected (the region it was writing
+    stays busy, and Region.close() waiting, until then).
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class Agent:
         rdma_gid_index: int | None = None,
         rdma_timeout: int = 14,
         rdma_retry_count: int = 7,
+        stall_timeout: float = 10.0,
     ) -> None:
         if transports != "auto":
             unknown = [t for t in transports if t not in _TRANSPORTS]
@@ -120,6 +124,9 @@ class Agent:
         self._listener: Listener | None = None
         self._engine = Engine(max_inflight, copy_threads)
         self._engine.on_notify = self._on_notify
+        if not stall_timeout > 0:
+            raise InvalidArgument(f"Agent(stall_timeout={stall_timeout}): must be > 0")
+        lib.hx_agent_set_stall(self._engine.native, int(stall_timeout * 1e9))
         # 16 bytes a same-host peer reads with process_vm_readv to learn
         # whether cross-memory attach to this process is permitted.
         self._probe = ffi.new("uint8_t[16]", self.id)

@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import json
 import sys
+import time
 
 import numpy as np
 
@@ -30,10 +31,12 @@ async def main() -> None:
     p.add_argument("--listen", default="127.0.0.1:0")
     p.add_argument("--heartbeat", type=float, default=1.0)
     p.add_argument("--rdma-timeout", type=int, default=14)
+    p.add_argument("--stall", type=float, default=10.0)
     args = p.parse_args()
     async with aiohixl.Agent("target", listen=args.listen, token=args.token,
                              heartbeat_interval=args.heartbeat, heartbeat_timeout=args.heartbeat * 3,
-                             rdma_timeout=args.rdma_timeout, rdma_retry_count=1) as agent:
+                             rdma_timeout=args.rdma_timeout, rdma_retry_count=1,
+                             stall_timeout=args.stall) as agent:
         regions = {}
         arrays = {}
         print(json.dumps({"address": agent.address}), flush=True)
@@ -77,7 +80,9 @@ async def main() -> None:
             elif op == "info":
                 out.update(verbs=agent.verbs_unavailable or "ready", transports=agent._offered_transports())
             elif op == "close":
+                start = time.monotonic()
                 await regions.pop(cmd["name"]).close()
+                out["seconds"] = time.monotonic() - start
             elif op == "exit":
                 print(json.dumps(out), flush=True)
                 return

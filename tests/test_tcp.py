@@ -383,3 +383,27 @@ async def test_closing_the_initiator_with_ops_in_flight():
             await p.put((await p.region("kv"))[:4096], again.register(bytearray(4096)))
     finally:
         await target.aclose()
+
+
+async def test_a_put_stalled_mid_payload_cannot_hold_a_region_forever():
+    import struct
+
+    target = await Target.start(stall=1.0)
+    try:
+        await target.alloc("kv", 1 << 20, seed=3)
+        async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
+            # A real client's handshake, then half a PUT frame and silence.
+            ch = c.Channel(await anyio.connect_tcp("127.0.0.1", target.port))
+            info = await c.client_handshake(ch, TOKEN.encode(), w.ROLE_CONTROL, bytes(16), agent, "stall")
+            kv = [aiohixl.RemoteRegion(__import__("aiohixl").descriptor.decode(d)) for d in info.regions][0]
+            data_ch = c.Channel(await anyio.connect_tcp("127.0.0.1", target.port))
+            await c.client_handshake(data_ch, TOKEN.encode(), w.ROLE_DATA, info.session, agent, "stall")
+            header = struct.pack("<IB3xI4xQQQ", 0x50445848, 1, kv.id, 0, 1 << 20, 1)
+            await data_ch.stream.send(header + bytes(1000))
+            await anyio.sleep(0.2)
+            reply = await target.cmd(op="close", name="kv")  # waits for the stalled writer
+            assert 0.5 < reply["seconds"] < 5.0, reply
+            await data_ch.aclose()
+            await ch.aclose()
+    finally:
+        await target.aclose()
