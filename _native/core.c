@@ -37,7 +37,7 @@ static hx_region **bucket_of(hx_registry *reg, uint32_t id)
     return &reg->buckets[id % HX_REGION_BUCKETS];
 }
 
-static hx_region *find_region(hx_registry *reg, uint32_t id)
+hx_region *hx_reg_find_locked(hx_registry *reg, uint32_t id)
 {
     for (hx_region *r = *bucket_of(reg, id); r; r = r->next)
         if (r->id == id)
@@ -61,7 +61,7 @@ int hx_reg_add(hx_registry *reg, uint32_t id, uint8_t *base, uint64_t len, uint3
     r->len = len;
     r->kind = (uint8_t)kind;
     pthread_mutex_lock(&reg->lock);
-    if (find_region(reg, id)) {
+    if (hx_reg_find_locked(reg, id)) {
         pthread_mutex_unlock(&reg->lock);
         free(r);
         return HX_E_INVAL;
@@ -76,7 +76,7 @@ int hx_reg_add(hx_registry *reg, uint32_t id, uint8_t *base, uint64_t len, uint3
 int hx_reg_remove(hx_registry *reg, uint32_t id, int wait, uint8_t **base, uint64_t *len)
 {
     pthread_mutex_lock(&reg->lock);
-    hx_region *r = find_region(reg, id);
+    hx_region *r = hx_reg_find_locked(reg, id);
     if (!r) {
         pthread_mutex_unlock(&reg->lock);
         return HX_E_NOREGION;
@@ -119,7 +119,7 @@ int hx_reg_acquire(hx_registry *reg, uint32_t id, uint64_t off, uint64_t len,
                    uint32_t need, uint8_t **ptr, hx_region **out)
 {
     pthread_mutex_lock(&reg->lock);
-    hx_region *r = find_region(reg, id);
+    hx_region *r = hx_reg_find_locked(reg, id);
     int rc = check_locked(r, off, len, need);
     if (rc == HX_OK) {
         r->busy++;
@@ -154,7 +154,7 @@ int hx_region_remove(hx_agent *a, uint32_t id, int wait)
 int hx_region_check(hx_agent *a, uint32_t id, uint64_t off, uint64_t len, uint32_t need)
 {
     pthread_mutex_lock(&a->regs.lock);
-    int rc = check_locked(find_region(&a->regs, id), off, len, need);
+    int rc = check_locked(hx_reg_find_locked(&a->regs, id), off, len, need);
     pthread_mutex_unlock(&a->regs.lock);
     return rc;
 }

@@ -109,6 +109,8 @@ void hx_reg_destroy(hx_registry *reg);
 int hx_reg_add(hx_registry *reg, uint32_t id, uint8_t *base, uint64_t len, uint32_t access, int kind);
 /* Withdraws; with wait, blocks until idle. On HX_OK, base and len say what it was. */
 int hx_reg_remove(hx_registry *reg, uint32_t id, int wait, uint8_t **base, uint64_t *len);
+/* The region with this id, removed or not; caller holds reg->lock. */
+hx_region *hx_reg_find_locked(hx_registry *reg, uint32_t id);
 int hx_reg_acquire(hx_registry *reg, uint32_t id, uint64_t off, uint64_t len,
                    uint32_t need, uint8_t **ptr, hx_region **out);
 int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len,

@@ -107,9 +107,7 @@ int hx_shm_forget(hx_peer *p, uint32_t region, int wait)
     uint8_t *base;
     uint64_t len;
     pthread_mutex_lock(&s->maps.lock);
-    hx_region *r = NULL;
-    for (r = s->maps.buckets[region % HX_REGION_BUCKETS]; r && r->id != region; r = r->next)
-        ;
+    hx_region *r = hx_reg_find_locked(&s->maps, region);
     int kind = r ? r->kind : HX_MEM_CMA;
     pthread_mutex_unlock(&s->maps.lock);
     int rc = hx_reg_remove(&s->maps, region, wait, &base, &len);

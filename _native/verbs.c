@@ -212,9 +212,7 @@ int hx_verbs_reg(hx_agent *a, uint32_t region, int readonly, uint32_t *rkey)
         return HX_E_INVAL;
     hx_registry *reg = &a->regs;
     pthread_mutex_lock(&reg->lock);
-    hx_region *r;
-    for (r = reg->buckets[region % HX_REGION_BUCKETS]; r && r->id != region; r = r->next)
-        ;
+    hx_region *r = hx_reg_find_locked(reg, region);
     if (!r || r->removed) {
         pthread_mutex_unlock(&reg->lock);
         return HX_E_NOREGION;
@@ -429,6 +427,16 @@ static void vop_finish(hx_agent *a, vop *op, int status)
     free(op);
 }
 
+/* An op that was never posted: nothing of it reached the NIC. */
+static void vop_discard(vop *op)
+{
+    for (uint32_t j = 0; j < op->nregions; j++)
+        hx_region_release(op->regions[j]);
+    free(op->wrs);
+    free(op->sgl);
+    free(op);
+}
+
 /* Posts op's chain now. Caller holds q->lock and has checked there is room. */
 static int post_chain(vqp *q, vop *op)
 {
@@ -479,11 +487,7 @@ static int verbs_build(vqp *q, int opcode, uint64_t op_id, const hx_sge *sges, u
             rc = HX_E_ACCESS; /* no MR: registered before the device was opened and never since */
         }
         if (rc != HX_OK) {
-            for (uint32_t j = 0; j < op->nregions; j++)
-                hx_region_release(op->regions[j]);
-            free(op);
-            free(wrs);
-            free(sgl);
+            vop_discard(op);
             return rc;
         }
         op->regions[op->nregions++] = r;
@@ -521,11 +525,7 @@ static int verbs_submit(vqp *q, vop *op)
     int failed = atomic_load(&q->base.failed);
     if (q->broken || failed) {
         pthread_mutex_unlock(&q->lock);
-        for (uint32_t j = 0; j < op->nregions; j++)
-            hx_region_release(op->regions[j]);
-        free(op->wrs);
-        free(op->sgl);
-        free(op);
+        vop_discard(op);
         return failed ? failed : HX_E_CONNLOST;
     }
     /* Never overrun the send queue: what does not fit waits, in order. */
@@ -537,11 +537,7 @@ static int verbs_submit(vqp *q, vop *op)
         q->pending_tail = op;
     } else if (post_chain(q, op)) {
         pthread_mutex_unlock(&q->lock);
-        for (uint32_t j = 0; j < op->nregions; j++)
-            hx_region_release(op->regions[j]);
-        free(op->wrs);
-        free(op->sgl);
-        free(op);
+        vop_discard(op);
         return HX_E_SYS;
     }
     pthread_mutex_unlock(&q->lock);
