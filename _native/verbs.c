@@ -401,17 +401,34 @@ int hx_verbs_accept(hx_agent *a, uint64_t session, uint32_t qpn, uint32_t psn, c
     return rc;
 }
 
+/* Caller holds v->lock and knows no op of q is outstanding. Completions
+ * still queued for q name its qp_num, which no longer matches: ignored. */
+static void vqp_destroy_locked(hx_verbs *v, vqp *q)
+{
+    for (vqp **pp = &v->qps; *pp; pp = &(*pp)->next_all)
+        if (*pp == q) {
+            *pp = q->next_all;
+            break;
+        }
+    v->api.destroy_qp(q->qp);
+    pthread_mutex_destroy(&q->lock);
+    free(q);
+}
+
 void hx_verbs_drop_session(hx_agent *a, uint64_t session)
 {
     hx_verbs *v = V(a);
     if (!v)
         return;
     pthread_mutex_lock(&v->lock);
-    for (vqp *q = v->qps; q; q = q->next_all)
-        if (q->target && q->session == session && !q->broken) {
-            q->broken = true;
-            qp_to_error(v, q);
-        }
+    vqp *q = v->qps;
+    while (q) {
+        vqp *next = q->next_all;
+        /* A target QP only answers the peer's NIC: it has no ops of its own. */
+        if (q->target && q->session == session)
+            vqp_destroy_locked(v, q);
+        q = next;
+    }
     pthread_mutex_unlock(&v->lock);
 }
 
@@ -589,8 +606,17 @@ static void verbs_fail(hx_peer *p, int status)
 
 static void verbs_destroy(hx_peer *p)
 {
-    /* The QP is destroyed with the agent, once its flushed completions are in. */
-    (void)p;
+    vqp *q = (vqp *)p;
+    hx_verbs *v = V(p->agent);
+    pthread_mutex_lock(&v->lock);
+    pthread_mutex_lock(&q->lock);
+    bool idle = q->ops_inflight == 0 && !q->pending_head;
+    pthread_mutex_unlock(&q->lock);
+    /* Python frees a peer once its ops are done; should any remain, the QP
+     * stays listed and goes with the agent, after their flushed completions. */
+    if (idle)
+        vqp_destroy_locked(v, q);
+    pthread_mutex_unlock(&v->lock);
 }
 
 static const hx_peer_ops verbs_ops = {verbs_post, verbs_fail, verbs_destroy};

@@ -26,12 +26,22 @@ NOTIFY_FLAG = 1 << 63  # HX_NOTIFY_FLAG: a WRITE WITH IMM arrived, not an op
 
 
 class _Op:
-    __slots__ = ("waiter", "keep", "what")
+    __slots__ = ("waiter", "keep", "what", "owner")
 
-    def __init__(self, waiter: Any, keep: tuple, what: str):
+    def __init__(self, waiter: Any, keep: tuple, what: str, owner: Any):
         self.waiter = waiter
         self.keep = keep  # local regions (and their buffers) the native side touches
         self.what = what
+        self.owner = owner  # the Peer: its native handles live until its last op ends
+
+
+def _ended(op: _Op) -> None:
+    _release(op.keep)
+    owner = op.owner
+    if owner is not None:
+        owner._ops -= 1
+        if owner._ops == 0 and owner._free_pending:
+            owner._free()
 
 
 def _hold(regions: tuple) -> None:
@@ -83,7 +93,7 @@ class Engine:
             self._slot_waiters.append(waiter)
             await backend.wait(waiter)
 
-    def post(self, peer: Any, opcode: int, sges: Any, n: int, keep: tuple, what: str) -> Any:
+    def post(self, peer: Any, opcode: int, sges: Any, n: int, keep: tuple, what: str, owner: Any = None) -> Any:
         """Post an op; returns its waiter, or None when it finished inline.
 
         ``keep`` (the local regions) stays referenced, and counted in flight
@@ -95,20 +105,22 @@ class Engine:
         if rc == 1:  # HX_DONE_INLINE
             self.completed += 1
             return None
-        return self._track(op_id, rc, keep, what)
+        return self._track(op_id, rc, keep, what, owner)
 
-    def post_imm(self, peer: Any, sges: Any, n: int, keep: tuple, what: str, imm: int) -> Any:
+    def post_imm(self, peer: Any, sges: Any, n: int, keep: tuple, what: str, imm: int, owner: Any = None) -> Any:
         """Like post(), as an RDMA WRITE WITH IMM (verbs peers only)."""
         op_id = self._next_id
         self._next_id += 1
-        return self._track(op_id, lib.hx_verbs_post_imm(peer, op_id, sges, n, imm), keep, what)
+        return self._track(op_id, lib.hx_verbs_post_imm(peer, op_id, sges, n, imm), keep, what, owner)
 
-    def _track(self, op_id: int, rc: int, keep: tuple, what: str) -> Any:
+    def _track(self, op_id: int, rc: int, keep: tuple, what: str, owner: Any) -> Any:
         if rc < 0:
             raise status_error(rc, what)
         waiter = self.backend.new_waiter()
         _hold(keep)
-        self._ops[op_id] = _Op(waiter, keep, what)
+        if owner is not None:
+            owner._ops += 1
+        self._ops[op_id] = _Op(waiter, keep, what, owner)
         return waiter
 
     async def wait(self, waiter: Any, timeout: float | None, what: str) -> None:
@@ -158,7 +170,7 @@ class Engine:
                         self.unknown_completions += 1
                     continue
                 self.completed += 1
-                _release(op.keep)
+                _ended(op)
                 status = c.status
                 backend.resolve(op.waiter, None if status == 0 else status_error(status, op.what))
             if n < _DRAIN_BATCH:
@@ -176,7 +188,7 @@ class Engine:
         for op_id, op in list(self._ops.items()):
             # Native shutdown completed everything; this is a last guard.
             self._ops.pop(op_id)
-            _release(op.keep)
+            _ended(op)
             if self.backend is not None:
                 self.backend.resolve(op.waiter, ClosedError(f"{op.what}: agent closed"))
         for w in self._slot_waiters:

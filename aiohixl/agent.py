@@ -530,10 +530,6 @@ class Agent:
             c.log.info("aiohixl %s: shared memory with fallbacks to tcp: %s", what, "; ".join(reasons))
         peer._enable_shm(handle, uds, cma)
 
-    def _forget_peer(self, peer: Peer) -> None:
-        # Native resources go with the agent: ops of the peer may still be completing.
-        pass
-
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._regions)} regions, {len(self._peers)} peers"
         return f"<Agent {self.name!r} {state}>"

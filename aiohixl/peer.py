@@ -64,6 +64,8 @@ class Peer:
         self._freed = False
         self._one_sge = ffi.new("hx_sge *")
         self._verbs_h: Any = None  # the RC queue pair, when verbs is used
+        self._ops = 0  # ops posted and not yet completed (counted by the engine)
+        self._free_pending = False
 
     @property
     def closed(self) -> bool:
@@ -403,9 +405,9 @@ class Peer:
             keep = tuple(ls.region for _, ls in chunk)
             last = start + n >= len(group)
             if imm is not None and last:
-                waiters.append(engine.post_imm(self._verbs_h, sges, n, keep, what, imm))
+                waiters.append(engine.post_imm(self._verbs_h, sges, n, keep, what, imm, self))
             else:
-                waiters.append(engine.post(self._verbs_h, opcode, sges, n, keep, what))
+                waiters.append(engine.post(self._verbs_h, opcode, sges, n, keep, what, self))
         return [w_ for w_ in waiters if w_ is not None]
 
     def _post(self, engine: Any, handle: Any, opcode: int, group: list, what: str) -> Any:
@@ -429,7 +431,7 @@ class Peer:
                 sge.remote_off = rs.offset
                 sge.len = rs.nbytes
             keep = tuple(ls.region for _, ls in group)
-        return engine.post(handle, opcode, sges, n, keep, what)
+        return engine.post(handle, opcode, sges, n, keep, what, self)
 
     def _remote_slice(self, remote: Any, what: str) -> RemoteSlice:
         if isinstance(remote, RemoteRegion):
@@ -468,7 +470,12 @@ class Peer:
                     pass
             self._session.cancel()
         await self._close_uds()
-        self.agent._forget_peer(self)
+        # Native handles go once the last op is back: a native thread may
+        # still be finishing (or flushing) one.
+        if self._ops == 0:
+            self._free()
+        else:
+            self._free_pending = True
 
     def _close_native(self) -> None:
         for handle in self._handles():
@@ -483,6 +490,8 @@ class Peer:
     def _free(self) -> None:
         self._closed = True
         self._freed = True
+        self._free_pending = False
+        self.agent._peers.discard(self)
         for handle in self._handles():
             lib.hx_peer_free(handle)
         self._handle = self._shm = self._verbs_h = None

@@ -217,3 +217,27 @@ async def test_kill_target_mid_transfer(kind):
         with pytest.raises(aiohixl.ConnectionLost):
             await peer.put(kv, src)
     await target.proc.wait()
+
+
+@pytest.mark.parametrize("transports", [None, ("tcp",)], ids=["shm", "tcp"])
+async def test_closed_peers_release_their_native_resources(transports):
+    target = await Target.start()
+    try:
+        await target.alloc("kv", 8 << 20)
+        async with aiohixl.Agent(token=TOKEN) as agent:
+            src = agent.register(pattern(8 << 20, 4))
+            for _ in range(15):
+                peer = await agent.connect(target.address, transports=transports)
+                kv = await peer.region("kv")
+                pending = [asyncio.create_task(peer.put(kv, src)) for _ in range(3)]
+                await asyncio.sleep(0)
+                await peer.aclose()  # with ops possibly in flight
+                results = await asyncio.gather(*pending, return_exceptions=True)
+                assert all(r is None or isinstance(r, aiohixl.ClosedError) for r in results), results
+            assert agent.outstanding == 0
+            assert not agent._peers, "closed peers are freed once their ops are back"
+            last = await agent.connect(target.address, transports=transports)
+            await last.put(await last.region("kv"), src)
+        assert await target.hash("kv", 0, 8 << 20) == sha(pattern(8 << 20, 4))
+    finally:
+        await target.aclose()

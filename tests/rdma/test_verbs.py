@@ -133,6 +133,22 @@ async def test_thousand_concurrent_ops(pair):
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_reconnecting_frees_queue_pairs(pair):
+    # Each closed peer's QP is destroyed here, its twin on the target when the
+    # session ends; a long-lived server does not accumulate them.
+    a, src = pair["agent"], pair["src"]
+    for i in range(4):
+        peer = await a.connect(pair["target"].address)
+        assert peer.transport == "verbs"
+        kv = await peer.region("kv")
+        await peer.put(kv[i * 4096 : (i + 1) * 4096], src[:4096], imm=i)
+        await pair["target"].cmd(op="notify", timeout=120)
+        await peer.aclose()
+        assert peer not in a._peers
+    assert await pair["target"].hash("kv", 3 * 4096, 4096) == sha(pair["src_arr"][:4096])
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_remote_nic_refuses_a_write_without_rights(pair):
     # Last in the module: an RC error puts the queue pair in error.
     target, peer, src = pair["target"], pair["peer"], pair["src"]
