@@ -153,7 +153,7 @@ int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t 
     first = first->next;
     job = NULL; /* owned by the pool now */
     if (first)
-        hx_pool_submit(a, NULL, first, last);
+        hx_pool_submit(a, first, last);
     hx_pool_run(a, mine);
     rc = HX_POSTED;
 out:

@@ -315,7 +315,7 @@ void hx_pool_run(hx_agent *a, hx_task *t)
         finish_task(a, t, hx_copy_run(t->opcode, t->pid, t->dst, t->src, t->len));
 }
 
-void hx_pool_submit(hx_agent *a, hx_job *job, hx_task *first, hx_task *last)
+void hx_pool_submit(hx_agent *a, hx_task *first, hx_task *last)
 {
     pthread_mutex_lock(&a->pool_lock);
     if (a->task_tail)
@@ -325,7 +325,6 @@ void hx_pool_submit(hx_agent *a, hx_job *job, hx_task *first, hx_task *last)
     a->task_tail = last;
     pthread_cond_broadcast(&a->pool_work);
     pthread_mutex_unlock(&a->pool_lock);
-    (void)job;
 }
 
 void hx_pool_fail_peer(hx_agent *a, uint64_t peer_id, int status)

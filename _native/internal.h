@@ -122,7 +122,7 @@ void hx_notify(hx_agent *a, uint32_t imm, uint32_t len);
 void hx_verbs_shutdown(hx_agent *a);
 void hx_verbs_free(hx_agent *a);
 /* Queues a job's copies on the pool; the pool completes the job. */
-void hx_pool_submit(hx_agent *a, hx_job *job, hx_task *first, hx_task *last);
+void hx_pool_submit(hx_agent *a, hx_task *first, hx_task *last);
 /* Runs one task on the calling thread, as a pool thread would. */
 void hx_pool_run(hx_agent *a, hx_task *t);
 void hx_pool_fail_peer(hx_agent *a, uint64_t peer_id, int status);

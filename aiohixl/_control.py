@@ -162,7 +162,7 @@ def _raise_error(r: w.Reader) -> None:
     raise ProtocolError(f"the listener refused: {message}")
 
 
-def _error_frame(code: int, message: str) -> bytes:
+def error_frame(code: int, message: str) -> bytes:
     return w.Writer().u8(code).str(message).frame(w.ERROR)
 
 
@@ -233,14 +233,14 @@ async def server_handshake(ch: Channel, token: bytes) -> Hello:
         raise ProtocolError(f"unknown role {role}")
     version = min(vmax, w.VERSION_MAX)
     if version < max(vmin, w.VERSION_MIN):
-        await ch.send(_error_frame(w.ERR_VERSION, f"this agent speaks versions {w.VERSION_MIN}-{w.VERSION_MAX}"))
+        await ch.send(error_frame(w.ERR_VERSION, f"this agent speaks versions {w.VERSION_MIN}-{w.VERSION_MAX}"))
         raise ProtocolError(f"client speaks versions {vmin}-{vmax} only")
     nonce_s = os.urandom(32)
     await ch.send(w.Writer().u16(version).raw(nonce_s).raw(_server_mac(token, nonce_c, nonce_s)).frame(w.CHALLENGE))
     r = await ch.expect(w.AUTH, w.MAX_UNAUTH_FRAME)
     mac, session = r.raw(32), r.raw(16)
     if not hmac.compare_digest(mac, _client_mac(token, nonce_s, nonce_c, role, session)):
-        await ch.send(_error_frame(w.ERR_AUTH, "authentication failed"))
+        await ch.send(error_frame(w.ERR_AUTH, "authentication failed"))
         raise AuthenticationError("client failed authentication")
     info = _read_identity(r, session)
     r.end()
@@ -260,10 +260,6 @@ def welcome_frame(me: Any, session: bytes, regions: list[bytes]) -> bytes:
     for desc in kept:
         wr.blob(desc)
     return wr.frame(w.WELCOME)
-
-
-def error_frame(code: int, message: str) -> bytes:
-    return _error_frame(code, message)
 
 
 # ---------- the session after the handshake ----------

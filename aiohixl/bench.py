@@ -187,18 +187,16 @@ async def serve(max_size: int) -> None:
                 print(time.process_time(), flush=True)  # "cpu"
 
 
-class TargetProcess:
-    def __init__(self, max_size: int) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aiohixl.bench", "--serve", str(max_size)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )
-        self.address = self.proc.stdout.readline().strip()
-        if not self.address:
-            raise RuntimeError("the bench target did not start")
+class LineChild:
+    """A helper process answering one line per line we send; "exit" ends it."""
 
-    def cpu(self) -> float:
-        return float(self.ask("cpu"))
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        self.first = self.proc.stdout.readline().strip()
+        if not self.first:
+            raise RuntimeError(f"{' '.join(args)} did not start")
 
     def ask(self, line: str) -> str:
         self.proc.stdin.write(line + "\n")
@@ -212,6 +210,15 @@ class TargetProcess:
             self.proc.wait(10)
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
+
+
+class TargetProcess(LineChild):
+    def __init__(self, max_size: int) -> None:
+        super().__init__("aiohixl.bench", "--serve", str(max_size))
+        self.address = self.first
+
+    def cpu(self) -> float:
+        return float(self.ask("cpu"))
 
 
 # ---------- measurements through a peer ----------

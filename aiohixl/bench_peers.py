@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .bench import LineChild
+
 
 def available(kind: str) -> str | None:
     """None if the peer's package imports here, else why not."""
@@ -106,29 +108,10 @@ def mooncake_target(size: int) -> None:
 # ---------- the initiator ----------
 
 
-class _Target:
+class _Target(LineChild):
     def __init__(self, kind: str, size: int) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aiohixl.bench_peers", f"{kind}-target", "--size", str(size)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{kind} target did not start")
-        self.hello = json.loads(line)
-
-    def ask(self, line: str) -> str:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self.proc.stdout.readline().strip()
-
-    def close(self) -> None:
-        try:
-            self.proc.stdin.write("exit\n")
-            self.proc.stdin.flush()
-            self.proc.wait(10)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
+        super().__init__("aiohixl.bench_peers", f"{kind}-target", "--size", str(size))
+        self.hello = json.loads(self.first)
 
 
 def _measure(write: Callable[[int], None], sizes: list[int], lat_sizes: list[int], ops: int,
