@@ -1,4 +1,4 @@
-"""Command line: ``python -m aiohixl info`` (and the ``aiohixl`` console script)."""
+"""Command line: ``python -m aiohixl info|bench`` (and the ``aiohixl`` console script)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,15 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="latency, bandwidth and CPU against baselines (bench --help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from .bench import main as bench_main
-
+        try:
+            from .tools.bench import main as bench_main
+        except ImportError as exc:
+            print(f"aiohixl bench needs the 'bench' extra (pip install 'aiohixl[bench]'): {exc}", file=sys.stderr)
+            return 2
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "info":
-        from .info import render
+        from .tools.info import render
 
         print(render())
     return 0

@@ -54,7 +54,7 @@ async def pair():
 
 
 def test_info_reports_the_device():
-    from aiohixl.info import transports
+    from aiohixl.tools.info import transports
 
     verbs = next(t for t in transports() if t.name == "verbs")
     assert verbs.available and CHOICE.device in verbs.detail, verbs

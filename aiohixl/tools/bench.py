@@ -1,7 +1,7 @@
 """``python -m aiohixl bench``: latency, bandwidth and CPU, with baselines from the same run.
 
 The initiator is this process; the target is a second process started with
-``python -m aiohixl.bench --serve`` (its application does nothing while ops
+``python -m aiohixl.tools.bench --serve`` (its application does nothing while ops
 land). Baselines are measured in the same run: a single-threaded memcpy of the
 same sizes and a raw tcp stream over loopback between two processes; every
 result is also printed as a ratio to its baseline.
@@ -22,7 +22,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 import aiohixl
+
+from ._child import LineChild
 
 KiB, MiB = 1 << 10, 1 << 20
 TOKEN = "aiohixl-bench"
@@ -84,7 +88,6 @@ class Progress:
 
 
 def memcpy_gbps(size: int, seconds: float) -> float:
-    import numpy as np
 
     src = np.ones(size, dtype=np.uint8)
     dst = np.zeros(size, dtype=np.uint8)
@@ -169,7 +172,6 @@ def raw_socket_rtt_us(ops: int) -> float:
 async def serve(max_size: int) -> None:
     async with aiohixl.Agent("bench-target", listen="127.0.0.1:0", token=TOKEN) as agent:
         agent.allocate(max_size, name="dst")  # memfd: mapped by same-host peers
-        import numpy as np
 
         user = np.zeros(max_size, dtype=np.uint8)
         agent.register(user, name="udst")  # user memory: cross-memory attach
@@ -187,34 +189,9 @@ async def serve(max_size: int) -> None:
                 print(time.process_time(), flush=True)  # "cpu"
 
 
-class LineChild:
-    """A helper process answering one line per line we send; "exit" ends it."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )
-        self.first = self.proc.stdout.readline().strip()
-        if not self.first:
-            raise RuntimeError(f"{' '.join(args)} did not start")
-
-    def ask(self, line: str) -> str:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self.proc.stdout.readline().strip()
-
-    def close(self) -> None:
-        try:
-            self.proc.stdin.write("exit\n")
-            self.proc.stdin.flush()
-            self.proc.wait(10)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-
-
 class TargetProcess(LineChild):
     def __init__(self, max_size: int) -> None:
-        super().__init__("aiohixl.bench", "--serve", str(max_size))
+        super().__init__("aiohixl.tools.bench", "--serve", str(max_size))
         self.address = self.first
 
     def cpu(self) -> float:
@@ -278,7 +255,6 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
     max_size = max(max_size, 256 * 4 * KiB)
     async with aiohixl.Agent(f"bench-{name}", token=TOKEN) as agent:
         local = agent.allocate(max_size)
-        import numpy as np
 
         np.frombuffer(local.memory, dtype=np.uint8)[:] = np.random.default_rng(5).integers(
             0, 256, max_size, dtype=np.uint8)

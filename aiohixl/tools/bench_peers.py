@@ -15,7 +15,7 @@ describes the fast path:
 
 Neither package is a dependency: without them, the bench says so and skips.
 
-    python -m aiohixl.bench_peers nixl|mooncake --sizes 4096,65536,... --seconds 1
+    python -m aiohixl.tools.bench_peers nixl|mooncake --sizes 4096,65536,... --seconds 1
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .bench import LineChild
+from ._child import LineChild
 
 
 def available(kind: str) -> str | None:
@@ -110,7 +110,7 @@ def mooncake_target(size: int) -> None:
 
 class _Target(LineChild):
     def __init__(self, kind: str, size: int) -> None:
-        super().__init__("aiohixl.bench_peers", f"{kind}-target", "--size", str(size))
+        super().__init__("aiohixl.tools.bench_peers", f"{kind}-target", "--size", str(size))
         self.hello = json.loads(self.first)
 
 
@@ -201,7 +201,7 @@ def initiator(kind: str, sizes: list[int], lat_sizes: list[int], ops: int, secon
 def run(kind: str, sizes: list[int], lat_sizes: list[int], ops: int, seconds: float,
         env: dict[str, str] | None = None, idle_seconds: float = 2.0) -> dict[str, Any]:
     """Runs the peer in a process of its own (its libraries and env stay out of ours)."""
-    cmd = [sys.executable, "-m", "aiohixl.bench_peers", kind, "--sizes", ",".join(map(str, sizes)),
+    cmd = [sys.executable, "-m", "aiohixl.tools.bench_peers", kind, "--sizes", ",".join(map(str, sizes)),
            "--lat-sizes", ",".join(map(str, lat_sizes)), "--ops", str(ops), "--seconds", str(seconds),
            "--idle", str(idle_seconds)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
@@ -215,7 +215,7 @@ def run(kind: str, sizes: list[int], lat_sizes: list[int], ops: int, seconds: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m aiohixl.bench_peers")
+    p = argparse.ArgumentParser(prog="python -m aiohixl.tools.bench_peers")
     p.add_argument("kind", choices=["nixl", "mooncake", "nixl-target", "mooncake-target"])
     p.add_argument("--size", type=int, default=0)
     p.add_argument("--sizes", default="65536,1048576")

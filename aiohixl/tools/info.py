@@ -7,8 +7,8 @@ import ctypes.util
 import os
 from dataclasses import dataclass
 
-from . import __version__
-from ._files import read_text
+from .. import __version__
+from .._files import read_text
 
 _IB_SYSFS = "/sys/class/infiniband"
 
@@ -51,13 +51,13 @@ def _shm_status() -> TransportStatus:
 
 
 def _verbs_status() -> TransportStatus:
-    from ._native import lib as native
+    from .._native import lib as native
 
     if not native.hx_verbs_built():
         return TransportStatus("verbs", False, "built without rdma-core headers (install libibverbs-dev, reinstall)")
     if ctypes.util.find_library("ibverbs") is None:
         return TransportStatus("verbs", False, "libibverbs not installed (apt install libibverbs1 ibverbs-providers)")
-    from . import _rdma
+    from .. import _rdma
 
     try:
         choice = _rdma.choose()
