@@ -7,7 +7,8 @@ futures and ``add_reader``; trio gets one system task blocked on the fd.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import sniffio
 

@@ -21,8 +21,9 @@ import hmac
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import anyio
 from anyio.streams.buffered import BufferedByteReceiveStream
@@ -33,9 +34,12 @@ from .errors import AuthenticationError, ConnectionLost, HixlError, InvalidArgum
 
 log = logging.getLogger("aiohixl")
 
-_STREAM_ERRORS = (
-    anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
-    anyio.ClosedResourceError, OSError,
+STREAM_ERRORS = (
+    anyio.EndOfStream,
+    anyio.IncompleteRead,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    OSError,
 )
 
 
@@ -52,8 +56,6 @@ def parse_address(address: str, what: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise InvalidArgument(f"{what}: address {address!r} is not 'host:port'")
     return host.strip("[]") or "0.0.0.0", int(port)
-
-
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,7 @@ class Channel:
         with anyio.CancelScope(shield=True):
             try:
                 await self.stream.aclose()
-            except _STREAM_ERRORS:
+            except STREAM_ERRORS:
                 pass
 
 
@@ -166,10 +168,26 @@ def error_frame(code: int, message: str) -> bytes:
     return w.Writer().u8(code).str(message).frame(w.ERROR)
 
 
-def _write_identity(wr: w.Writer, me: Any) -> w.Writer:
-    host = me.host_identity
-    wr.raw(me.id).str(me.name).str(host.host).str(host.boot).str(host.ns).strs(me._offered_transports())
-    return wr.u32(os.getpid()).str(me._shm_socket_name()).raw(me._probe_address().to_bytes(8, "little"))
+@dataclass
+class Identity:
+    """Who an agent is and how peers reach it, as it tells them in the handshake.
+
+    Transports fill in their parts (``shm_socket``, ``probe``) before it is sent.
+    """
+
+    agent_id: bytes
+    name: str
+    host: HostIdentity
+    transports: list[str]
+    pid: int = field(default_factory=os.getpid)
+    shm_socket: str = ""
+    probe: int = 0
+
+
+def _write_identity(wr: w.Writer, me: Identity) -> w.Writer:
+    host = me.host
+    wr.raw(me.agent_id).str(me.name).str(host.host).str(host.boot).str(host.ns).strs(me.transports)
+    return wr.u32(me.pid).str(me.shm_socket).raw(me.probe.to_bytes(8, "little"))
 
 
 def _read_identity(r: w.Reader, session: bytes) -> PeerInfo:
@@ -184,7 +202,7 @@ def _read_identity(r: w.Reader, session: bytes) -> PeerInfo:
 
 
 async def client_handshake(
-    ch: Channel, token: bytes, role: int, session: bytes, me: Any, where: str
+    ch: Channel, token: bytes, role: int, session: bytes, me: Identity, where: str
 ) -> PeerInfo | None:
     """Runs the client half; returns the server's PeerInfo (control) or None (data)."""
     nonce_c = os.urandom(32)
@@ -247,10 +265,10 @@ async def server_handshake(ch: Channel, token: bytes) -> Hello:
     return Hello(role, session, info)
 
 
-def welcome_frame(me: Any, session: bytes, regions: list[bytes]) -> bytes:
+def welcome_frame(me: Identity, session: bytes, regions: list[bytes]) -> bytes:
     wr = _write_identity(w.Writer(), me).raw(session)
     budget = w.MAX_FRAME - 8192  # the rest are reachable by lookup
-    kept = []
+    kept: list[bytes] = []
     for desc in regions:
         budget -= len(desc) + 4
         if budget < 0 or len(kept) == 0xFFFF:
@@ -273,8 +291,13 @@ class Session:
     """
 
     def __init__(
-        self, ch: Channel, interval: float, timeout: float, handlers: dict[int, Callable[..., Any]],
-        on_end: Callable[[HixlError], None], label: str,
+        self,
+        ch: Channel,
+        interval: float,
+        timeout: float,
+        handlers: dict[int, Callable[..., Any]],
+        on_end: Callable[[HixlError], None],
+        label: str,
     ) -> None:
         self.ch = ch
         self.interval = interval
@@ -293,7 +316,7 @@ class Session:
                     tg.start_soon(self._pinger)
                     reason = await self._reader()
                     tg.cancel_scope.cancel()
-        except BaseException as exc:  # noqa: BLE001 - every way out ends the session
+        except BaseException as exc:
             if isinstance(exc, HixlError):
                 reason = exc
             elif not isinstance(exc, (Exception, anyio.get_cancelled_exc_class())):
@@ -311,7 +334,7 @@ class Session:
                     ftype, r = await self.ch.recv(w.MAX_FRAME)
             except TimeoutError:
                 return ConnectionLost(f"{self.label}: no heartbeat for {self.timeout} s")
-            except _STREAM_ERRORS:
+            except STREAM_ERRORS:
                 return ConnectionLost(f"{self.label}: control connection lost")
             except ProtocolError as exc:
                 return ProtocolError(f"{self.label}: {exc}")
@@ -337,7 +360,7 @@ class Session:
             try:
                 with anyio.fail_after(self.timeout):
                     await self.ch.send(ping)
-            except (TimeoutError, *_STREAM_ERRORS):
+            except (TimeoutError, *STREAM_ERRORS):
                 if self.scope is not None:
                     self.scope.cancel()
                 return
@@ -345,10 +368,9 @@ class Session:
     async def send(self, frame: bytes) -> None:
         try:
             await self.ch.send(frame)
-        except _STREAM_ERRORS:
+        except STREAM_ERRORS:
             raise ConnectionLost(f"{self.label}: control connection lost") from None
 
     def cancel(self) -> None:
         if self.scope is not None:
             self.scope.cancel()
-

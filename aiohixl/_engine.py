@@ -9,15 +9,15 @@ memory in flight alive.
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, Protocol
 
 import anyio
 
 from ._backends import Backend, current_backend
 from ._native import check, ffi, lib, status_error
-from contextlib import nullcontext as _nullcontext
-
 from .errors import ClosedError, HixlError, TransferTimeout
+from .memory import Region
 
 __all__ = ["Engine"]
 
@@ -25,35 +25,22 @@ _DRAIN_BATCH = 4096
 NOTIFY_FLAG = 1 << 63  # HX_NOTIFY_FLAG: a WRITE WITH IMM arrived, not an op
 
 
+class OpOwner(Protocol):
+    """Who posted an op (a peer): its native handles live until its last op ends."""
+
+    def op_started(self) -> None: ...
+
+    def op_ended(self) -> None: ...
+
+
 class _Op:
     __slots__ = ("waiter", "keep", "what", "owner")
 
-    def __init__(self, waiter: Any, keep: tuple, what: str, owner: Any):
+    def __init__(self, waiter: Any, keep: tuple[Region, ...], what: str, owner: OpOwner | None):
         self.waiter = waiter
         self.keep = keep  # local regions (and their buffers) the native side touches
         self.what = what
-        self.owner = owner  # the Peer: its native handles live until its last op ends
-
-
-def _ended(op: _Op) -> None:
-    _release(op.keep)
-    owner = op.owner
-    if owner is not None:
-        owner._ops -= 1
-        if owner._ops == 0 and owner._free_pending:
-            owner._free()
-
-
-def _hold(regions: tuple) -> None:
-    for region in regions:
-        region._inflight += 1
-
-
-def _release(regions: tuple) -> None:
-    for region in regions:
-        region._inflight -= 1
-        if region._inflight == 0 and region._idle_waiters:
-            region.agent._wake_region_waiters(region)
+        self.owner = owner
 
 
 class Engine:
@@ -78,6 +65,11 @@ class Engine:
     def outstanding(self) -> int:
         return len(self._ops)
 
+    @property
+    def full(self) -> bool:
+        """As many ops outstanding as the completion ring holds: the next must wait (admit)."""
+        return len(self._ops) >= self.capacity
+
     def attach(self) -> Backend:
         """Bind to the running event loop (once; later calls return the same backend)."""
         if self.backend is None:
@@ -93,7 +85,16 @@ class Engine:
             self._slot_waiters.append(waiter)
             await backend.wait(waiter)
 
-    def post(self, peer: Any, opcode: int, sges: Any, n: int, keep: tuple, what: str, owner: Any = None) -> Any:
+    def post(
+        self,
+        handle: Any,
+        opcode: int,
+        sges: Any,
+        n: int,
+        keep: tuple[Region, ...],
+        what: str,
+        owner: OpOwner | None = None,
+    ) -> Any:
         """Post an op; returns its waiter, or None when it finished inline.
 
         ``keep`` (the local regions) stays referenced, and counted in flight
@@ -101,63 +102,72 @@ class Engine:
         """
         op_id = self._next_id
         self._next_id += 1
-        rc = lib.hx_peer_post(peer, opcode, op_id, sges, n)
+        rc = lib.hx_peer_post(handle, opcode, op_id, sges, n)
         if rc == 1:  # HX_DONE_INLINE
             self.completed += 1
             return None
         return self._track(op_id, rc, keep, what, owner)
 
-    def post_imm(self, peer: Any, sges: Any, n: int, keep: tuple, what: str, imm: int, owner: Any = None) -> Any:
-        """Like post(), as an RDMA WRITE WITH IMM (verbs peers only)."""
+    def post_with(self, submit: Any, keep: tuple[Region, ...], what: str, owner: OpOwner | None = None) -> Any:
+        """Like post(), through a transport's own native call ``submit(op_id) -> status``."""
         op_id = self._next_id
         self._next_id += 1
-        return self._track(op_id, lib.hx_verbs_post_imm(peer, op_id, sges, n, imm), keep, what, owner)
+        return self._track(op_id, submit(op_id), keep, what, owner)
 
-    def _track(self, op_id: int, rc: int, keep: tuple, what: str, owner: Any) -> Any:
+    def _track(self, op_id: int, rc: int, keep: tuple[Region, ...], what: str, owner: OpOwner | None) -> Any:
         if rc < 0:
             raise status_error(rc, what)
-        waiter = self.backend.new_waiter()
-        _hold(keep)
+        backend = self.backend
+        assert backend is not None
+        waiter = backend.new_waiter()
+        for region in keep:
+            region.op_started()
         if owner is not None:
-            owner._ops += 1
+            owner.op_started()
         self._ops[op_id] = _Op(waiter, keep, what, owner)
         return waiter
 
+    def _ended(self, op: _Op) -> None:
+        resolve = self.backend.resolve if self.backend is not None else _no_backend
+        for region in op.keep:
+            region.op_ended(resolve)
+        if op.owner is not None:
+            op.owner.op_ended()
+
     async def wait(self, waiter: Any, timeout: float | None, what: str) -> None:
+        backend = self.attach()
         if timeout is None:
-            await self.backend.wait(waiter)
+            await backend.wait(waiter)
             return
         try:
             with anyio.fail_after(timeout):
-                await self.backend.wait(waiter)
+                await backend.wait(waiter)
         except TimeoutError:
-            raise TransferTimeout(
-                f"{what}: no completion within {timeout} s; the op may still complete"
-            ) from None
+            raise TransferTimeout(f"{what}: no completion within {timeout} s; the op may still complete") from None
 
     async def wait_all(self, waiters: list[Any], timeout: float | None, what: str) -> None:
         """Wait for every waiter; the first failure is raised once all have ended."""
         if len(waiters) == 1:
             await self.wait(waiters[0], timeout, what)
             return
+        backend = self.attach()
         first: BaseException | None = None
         try:
-            with anyio.fail_after(timeout) if timeout is not None else _nullcontext():
+            with anyio.fail_after(timeout) if timeout is not None else nullcontext():
                 for waiter in waiters:
                     try:
-                        await self.backend.wait(waiter)
+                        await backend.wait(waiter)
                     except HixlError as exc:
                         first = first or exc
         except TimeoutError:
-            raise TransferTimeout(
-                f"{what}: no completion within {timeout} s; the op may still complete"
-            ) from None
+            raise TransferTimeout(f"{what}: no completion within {timeout} s; the op may still complete") from None
         if first is not None:
             raise first
 
     def drain(self) -> None:
         batch = self._batch
         backend = self.backend
+        assert backend is not None  # drain is what the backend calls
         while True:
             n = lib.hx_agent_drain(self.native, batch, _DRAIN_BATCH)
             for i in range(n):
@@ -170,7 +180,7 @@ class Engine:
                         self.unknown_completions += 1
                     continue
                 self.completed += 1
-                _ended(op)
+                self._ended(op)
                 status = c.status
                 backend.resolve(op.waiter, None if status == 0 else status_error(status, op.what))
             if n < _DRAIN_BATCH:
@@ -183,16 +193,17 @@ class Engine:
     async def shutdown(self) -> None:
         """Stop native work (queued ops fail as closed), then resolve every op."""
         await anyio.to_thread.run_sync(lib.hx_agent_shutdown, self.native)
-        if self.backend is not None:
-            self.drain()
+        backend = self.backend
+        if backend is None:
+            return  # never attached: nothing was ever posted
+        self.drain()
         for op_id, op in list(self._ops.items()):
             # Native shutdown completed everything; this is a last guard.
             self._ops.pop(op_id)
-            _ended(op)
-            if self.backend is not None:
-                self.backend.resolve(op.waiter, ClosedError(f"{op.what}: agent closed"))
+            self._ended(op)
+            backend.resolve(op.waiter, ClosedError(f"{op.what}: agent closed"))
         for w in self._slot_waiters:
-            self.backend.resolve(w, ClosedError("agent closed while waiting to post"))
+            backend.resolve(w, ClosedError("agent closed while waiting to post"))
         self._slot_waiters = []
 
     def free(self) -> None:
@@ -208,3 +219,7 @@ class Engine:
         if getattr(self, "native", None) is not None:
             lib.hx_agent_free(self.native)
             self.native = None
+
+
+def _no_backend(waiter: Any, exc: BaseException | None) -> None:
+    """Nothing can wait without a backend, so nothing needs waking."""

@@ -8,6 +8,7 @@ and trailing bytes are an error. Nothing is ever unpickled.
 
 from __future__ import annotations
 
+import builtins
 import struct
 from typing import Any
 
@@ -22,12 +23,37 @@ MAX_UNAUTH_FRAME = 4096
 MAX_FRAME = 1 << 20
 MAX_STR = 1024
 
-(HELLO, CHALLENGE, AUTH, WELCOME, ERROR, LOOKUP, REGION, WITHDRAWN, PING, BYE, DATA_OK, WITHDRAWN_ACK,
- VERBS_QP, VERBS_QP_OK) = range(1, 15)
+(
+    HELLO,
+    CHALLENGE,
+    AUTH,
+    WELCOME,
+    ERROR,
+    LOOKUP,
+    REGION,
+    WITHDRAWN,
+    PING,
+    BYE,
+    DATA_OK,
+    WITHDRAWN_ACK,
+    VERBS_QP,
+    VERBS_QP_OK,
+) = range(1, 15)
 NAMES = {
-    HELLO: "HELLO", CHALLENGE: "CHALLENGE", AUTH: "AUTH", WELCOME: "WELCOME", ERROR: "ERROR",
-    LOOKUP: "LOOKUP", REGION: "REGION", WITHDRAWN: "WITHDRAWN", PING: "PING", BYE: "BYE",
-    DATA_OK: "DATA_OK", WITHDRAWN_ACK: "WITHDRAWN_ACK", VERBS_QP: "VERBS_QP", VERBS_QP_OK: "VERBS_QP_OK",
+    HELLO: "HELLO",
+    CHALLENGE: "CHALLENGE",
+    AUTH: "AUTH",
+    WELCOME: "WELCOME",
+    ERROR: "ERROR",
+    LOOKUP: "LOOKUP",
+    REGION: "REGION",
+    WITHDRAWN: "WITHDRAWN",
+    PING: "PING",
+    BYE: "BYE",
+    DATA_OK: "DATA_OK",
+    WITHDRAWN_ACK: "WITHDRAWN_ACK",
+    VERBS_QP: "VERBS_QP",
+    VERBS_QP_OK: "VERBS_QP_OK",
 }
 
 ROLE_CONTROL, ROLE_DATA = 0, 1
@@ -124,7 +150,7 @@ class Reader:
             raise ProtocolError(f"{self.what}: blob of {n} bytes exceeds {limit}")
         return self.raw(n)
 
-    def strs(self) -> list[str]:
+    def strs(self) -> list[builtins.str]:
         return [self.str() for _ in range(self.u8())]
 
     def end(self) -> None:

@@ -21,15 +21,11 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from .errors import InvalidDescriptor
 from .memory import Access
 
-if TYPE_CHECKING:
-    from .memory import Region
-
-__all__ = ["VERSION", "RegionInfo", "encode_region", "encode_info", "decode"]
+__all__ = ["VERSION", "RegionInfo", "encode_info", "decode"]
 
 MAGIC = b"HXRD"
 VERSION = 1
@@ -63,23 +59,20 @@ def encode_info(info: RegionInfo) -> bytes:
     return b"".join(
         (
             _HEAD.pack(
-                MAGIC, VERSION, int(info.access), _KINDS[info.kind], 0, info.region_id,
-                info.nbytes, info.address, info.agent_id,
+                MAGIC,
+                VERSION,
+                int(info.access),
+                _KINDS[info.kind],
+                0,
+                info.region_id,
+                info.nbytes,
+                info.address,
+                info.agent_id,
             ),
             _LEN.pack(len(name)),
             name,
             _LEN.pack(len(keys)),
             keys,
-        )
-    )
-
-
-def encode_region(region: Region) -> bytes:
-    return encode_info(
-        RegionInfo(
-            agent_id=region.agent.id, region_id=region.id, nbytes=region.nbytes,
-            address=region.address, access=region.access, kind=region.kind, name=region.name,
-            keys=region.agent._transport_keys(region),
         )
     )
 
@@ -128,6 +121,12 @@ def decode(data: bytes) -> RegionInfo:
         keys[ktype] = data[pos : pos + klen]
         pos += klen
     return RegionInfo(
-        agent_id=agent_id, region_id=region_id, nbytes=nbytes, address=address,
-        access=Access(access), kind=_KIND_NAMES[kind], name=name, keys=keys,
+        agent_id=agent_id,
+        region_id=region_id,
+        nbytes=nbytes,
+        address=address,
+        access=Access(access),
+        kind=_KIND_NAMES[kind],
+        name=name,
+        keys=keys,
     )

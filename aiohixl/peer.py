@@ -2,33 +2,51 @@
 
 from __future__ import annotations
 
-import os
-import struct
-from typing import TYPE_CHECKING, Any, Iterable, Union
+from collections.abc import Iterable
+from typing import Any, Protocol, Union
 
 import anyio
 
 from . import _control as c
 from . import _wire as w
-from ._native import ffi, lib
-from .descriptor import decode
+from ._engine import Engine
+from ._native import lib
+from .descriptor import RegionInfo, decode
 from .errors import (
-    AccessDenied, ClosedError, ConnectionLost, HixlError, InvalidArgument, InvalidDescriptor,
-    LengthMismatch, ProtocolError, RegionUnavailable,
+    AccessDenied,
+    ClosedError,
+    ConnectionLost,
+    HixlError,
+    InvalidArgument,
+    InvalidDescriptor,
+    LengthMismatch,
+    ProtocolError,
+    RegionUnavailable,
 )
 from .memory import Access, Region, RegionSlice
 from .remote import RemoteRegion, RemoteSlice
-
-if TYPE_CHECKING:
-    from .agent import Agent
+from .transports.base import Link, Pair
 
 __all__ = ["Peer"]
 
-_FD_REQUEST = struct.Struct("<I16s")
-_FD_ANSWER = struct.Struct("<BQ")
-
 LocalRef = Union[Region, RegionSlice]
 RemoteRef = Union[RemoteRegion, RemoteSlice]
+
+
+class PeerOwner(Protocol):
+    """What a peer needs of the agent it belongs to."""
+
+    id: bytes
+    name: str
+    engine: Engine
+
+    def check_open(self, what: str) -> None: ...
+
+    def published_remote(self, name: str, what: str) -> RemoteRegion: ...
+
+    def forget_peer(self, peer: Peer) -> None: ...
+
+    def heartbeat(self) -> tuple[float, float]: ...
 
 
 class Peer:
@@ -40,36 +58,33 @@ class Peer:
     """
 
     def __init__(
-        self, agent: Agent, handle: Any, remote_id: bytes, transport: str, name: str | None,
+        self,
+        agent: PeerOwner,
+        links: list[Link],
+        remote_id: bytes,
+        name: str | None,
         info: c.PeerInfo | None = None,
     ):
         self.agent = agent
-        self._handle = handle
+        self.links = links  # in order of preference: a region goes over the first that reaches it
         self.remote_id = remote_id
-        self.transport = transport
+        self.transport = links[0].name
         self.name = name
         self.info = info
-        self._closed = False
+        self.closed = False
         self._broken: HixlError | None = None
         self._session: c.Session | None = None
         self._withdrawn: set[int] = set()
         self._lookups: dict[int, list[Any]] = {}
         self._next_lookup = 1
-        # same-host paths (set by _enable_shm)
-        self._shm: Any = None
-        self._uds: Any = None
-        self._cma = False
-        self._routes: dict[int, str] = {}
+        # region id -> (link, path name), decided once per region
+        self._routes: dict[int, tuple[Link, str]] = {}
         self._resolving: dict[int, anyio.Event] = {}
-        self._freed = False
-        self._one_sge = ffi.new("hx_sge *")
-        self._verbs_h: Any = None  # the RC queue pair, when verbs is used
+        # one link that reaches every region as it is: no routing per op
+        self._one_route = links[0] if len(links) == 1 and links[0].reaches_all else None
         self._ops = 0  # ops posted and not yet completed (counted by the engine)
         self._free_pending = False
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
+        self._freed = False
 
     @property
     def broken(self) -> HixlError | None:
@@ -78,14 +93,21 @@ class Peer:
 
     # ---- control session (connected peers) ----
 
-    def _start_session(self, ch: c.Channel) -> None:
-        agent = self.agent
+    def start_session(self, ch: c.Channel) -> None:
+        interval, timeout = self.agent.heartbeat()
         self._session = c.Session(
-            ch, agent._heartbeat_interval, agent._heartbeat_timeout,
+            ch,
+            interval,
+            timeout,
             {w.REGION: self._on_region, w.WITHDRAWN: self._on_withdrawn},
-            self._on_session_end, f"peer {self.name!r}",
+            self._on_session_end,
+            f"peer {self.name!r}",
         )
-        agent._engine.backend.spawn(self._session.run, f"aiohixl-peer-{self.name}")
+        self.agent.engine.attach().spawn(self._session.run, f"aiohixl-peer-{self.name}")
+
+    @property
+    def label(self) -> str:
+        return f"peer {self.name!r}"
 
     def _on_region(self, r: w.Reader) -> None:
         req, status, desc = r.u32(), r.u8(), r.blob()
@@ -101,18 +123,28 @@ class Peer:
         r.end()
         self._withdrawn.add(rid)
         route = self._routes.pop(rid, None)
-        self.agent._engine.backend.spawn(lambda: self._release_route(rid, route), "aiohixl-withdraw")
+        self.agent.engine.attach().spawn(lambda: self._release_route(rid, route), "aiohixl-withdraw")
+
+    async def _release_route(self, rid: int, route: tuple[Link, str] | None) -> None:
+        """After a withdrawal: stop using the region, then tell the target."""
+        try:
+            if route is not None and not self._freed:
+                await route[0].forget(rid)
+            if self._session is not None and self._session.ended is None:
+                await self._session.send(w.Writer().u32(rid).frame(w.WITHDRAWN_ACK))
+        except HixlError:
+            pass
 
     def _on_session_end(self, reason: HixlError) -> None:
         if self._broken is None:
             self._broken = reason if isinstance(reason, ConnectionLost) else ConnectionLost(str(reason))
-        if not self._closed:
-            for handle in self._handles():
-                lib.hx_peer_fail(handle, lib.HX_E_CONNLOST)
+        if not self.closed:
+            for link in self.links:
+                link.fail(lib.HX_E_CONNLOST)
         for event, _ in self._lookups.values():
             event.set()
 
-    def _end_session(self) -> None:
+    def end_session(self) -> None:
         if self._session is not None:
             self._session.cancel()
 
@@ -121,21 +153,32 @@ class Peer:
     async def region(self, name: str) -> RemoteRegion:
         """The region the peer published under ``name``."""
         self._check_open("Peer.region")
-        return await self._lookup(name)
-
-    async def _lookup(self, name: str) -> RemoteRegion:
         if self._session is None:
-            return self.agent._published_remote(name, "Peer.region")
+            return self.agent.published_remote(name, "Peer.region")
         remote = await self._ask(w.BY_NAME, name, 0, f"Peer.region({name!r})")
         if remote is None:
-            raise RegionUnavailable(f"Peer.region({name!r}): peer {self.name!r} publishes no region of that name")
+            raise RegionUnavailable(f"Peer.region({name!r}): {self.label} publishes no region of that name")
         self._withdrawn.discard(remote.id)
-        if self._shm is not None:
-            await self._resolve(remote.info)  # map it now, so the first op is fast
+        if self._one_route is None:
+            try:
+                await self._route(remote.info, "Peer.region")  # set the path up now: the first op is fast
+            except RegionUnavailable:
+                pass  # said by the first op on it, which is where it matters
         return remote
+
+    async def region_info(self, region_id: int, what: str) -> RegionInfo | None:
+        """The peer's own word on one of its regions (for links setting up a path)."""
+        remote = await self._ask(w.BY_ID, "", region_id, what)
+        return None if remote is None else remote.info
+
+    async def send(self, frame: bytes) -> None:
+        if self._session is None:
+            raise ClosedError(f"{self.label} has no control session")
+        await self._session.send(frame)
 
     async def _ask(self, by: int, name: str, region_id: int, what: str) -> RemoteRegion | None:
         """Ask the peer about one of its regions (by name or id); None if it has none."""
+        assert self._session is not None
         req = self._next_lookup
         self._next_lookup += 1
         slot: list[Any] = [anyio.Event(), None]
@@ -155,110 +198,6 @@ class Peer:
         except InvalidDescriptor as exc:
             raise ProtocolError(f"{what}: the peer sent a bad descriptor: {exc}") from None
 
-    # ---- same-host paths ----
-
-    def _handles(self) -> list[Any]:
-        return [h for h in (self._handle, self._shm, self._verbs_h) if h is not None]
-
-    def _enable_verbs(self, handle: Any) -> None:
-        self._verbs_h = handle
-        self.transport = "verbs"
-
-    def _default_route(self, info: Any, what: str) -> str:
-        """The path for a region no same-host path reaches: verbs when it has an rkey, else tcp."""
-        if self._verbs_h is not None and len(info.keys.get(1, b"")) == 4:
-            return "verbs"
-        if self._handle is not None:
-            return "tcp"
-        raise RegionUnavailable(
-            f"{what}: no path to region {info.region_id} of peer {self.name!r}"
-            " (it has no RDMA key and tcp is not allowed)"
-        )
-
-    def _enable_shm(self, handle: Any, uds: Any, cma: bool) -> None:
-        self._shm = handle
-        self._uds = uds
-        self._uds_lock = anyio.Lock()
-        self._cma = cma
-        self.transport = "shm"
-
-    async def path(self, remote: RemoteRef) -> str:
-        """How ops on ``remote`` travel: "shm-memfd", "shm-cma", "tcp" or "loopback"."""
-        rs = self._remote_slice(remote, "Peer.path")
-        if self._shm is None:
-            if self._verbs_h is None and self._handle is not None:
-                return self.transport
-            return self._default_route(rs.region.info, "Peer.path")
-        return self._routes.get(rs.region.id) or await self._resolve(rs.region.info)
-
-    async def _resolve(self, claimed: Any) -> str:
-        """Pick and set up the path to a region, once; concurrent callers share the work."""
-        rid = claimed.region_id
-        route = self._routes.get(rid)
-        if route is not None:
-            return route
-        pending = self._resolving.get(rid)
-        if pending is not None:
-            await pending.wait()
-            return self._routes.get(rid) or self._default_route(claimed, "Peer.path")
-        self._resolving[rid] = done = anyio.Event()
-        try:
-            route = await self._setup_route(rid, "Peer.path")
-            self._routes[rid] = route
-            return route
-        finally:
-            del self._resolving[rid]
-            done.set()
-
-    async def _setup_route(self, rid: int, what: str) -> str:
-        # The target's own word on the region, never the caller's descriptor:
-        # a forged size or address must not reach a copy into its memory.
-        remote = await self._ask(w.BY_ID, "", rid, what)
-        if remote is None:
-            raise RegionUnavailable(f"{what}: peer {self.name!r} has no region {rid}")
-        info = remote.info
-        if info.kind == "memfd" and self._uds is not None:
-            fd = await self._fetch_fd(rid)
-            if fd is not None:
-                try:
-                    rc = lib.hx_shm_map(self._shm, rid, fd, info.nbytes, int(info.access))
-                finally:
-                    os.close(fd)
-                if rc == 0:
-                    return "shm-memfd"
-                c.log.info("aiohixl: peer %r region %d: mapping refused (status %d)", self.name, rid, rc)
-        if self._cma and lib.hx_shm_attach(self._shm, rid, info.address, info.nbytes, int(info.access)) == 0:
-            return "shm-cma"
-        return self._default_route(info, what)
-
-    async def _fetch_fd(self, rid: int) -> int | None:
-        async with self._uds_lock:
-            try:
-                await self._uds.send(_FD_REQUEST.pack(rid, self.info.session))
-                msg, fds = await self._uds.receive_fds(_FD_ANSWER.size, 1)
-            except (*c._STREAM_ERRORS, ValueError):
-                return None
-        if len(msg) != _FD_ANSWER.size:
-            for fd in fds:
-                os.close(fd)
-            return None
-        status, _size = _FD_ANSWER.unpack(msg)
-        if status != w.FD_OK or len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            return None
-        return fds[0]
-
-    async def _release_route(self, rid: int, route: str | None) -> None:
-        """After a withdrawal: stop using the region, then tell the target."""
-        try:
-            if route is not None and route.startswith("shm") and self._shm is not None and not self._freed:
-                await anyio.to_thread.run_sync(lib.hx_shm_forget, self._shm, rid, 1)
-            if self._session is not None and self._session.ended is None:
-                await self._session.send(w.Writer().u32(rid).frame(w.WITHDRAWN_ACK))
-        except HixlError:
-            pass
-
     def remote_region(self, descriptor: bytes) -> RemoteRegion:
         """Turn a descriptor from ``Region.descriptor()`` into a RemoteRegion of this peer."""
         info = decode(descriptor)
@@ -268,6 +207,38 @@ class Peer:
                 f"{info.agent_id.hex()}, this peer is agent {self.remote_id.hex()}"
             )
         return RemoteRegion(info)
+
+    # ---- routing: which link carries ops on a region ----
+
+    async def path(self, remote: RemoteRef) -> str:
+        """How ops on ``remote`` travel: "shm-memfd", "shm-cma", "verbs", "tcp" or "loopback"."""
+        rs = self._remote_slice(remote, "Peer.path")
+        return (await self._route(rs.region.info, "Peer.path"))[1]
+
+    async def _route(self, info: RegionInfo, what: str) -> tuple[Link, str]:
+        """The link for a region, decided once; concurrent callers share the work."""
+        rid = info.region_id
+        route = self._routes.get(rid)
+        if route is not None:
+            return route
+        pending = self._resolving.get(rid)
+        if pending is not None:
+            await pending.wait()
+            return self._routes.get(rid) or await self._route(info, what)
+        self._resolving[rid] = done = anyio.Event()
+        try:
+            control = self if self._session is not None else None
+            for link in self.links:
+                path = await link.reach(info, control, what)
+                if path is not None:
+                    route = self._routes[rid] = (link, path)
+                    return route
+            raise RegionUnavailable(
+                f"{what}: no path to region {rid} of {self.label} (tried {', '.join(link.name for link in self.links)})"
+            )
+        finally:
+            del self._resolving[rid]
+            done.set()
 
     # ---- ops ----
 
@@ -286,7 +257,10 @@ class Peer:
         await self._transfer(lib.HX_OP_GET, ((remote, local),), timeout, "Peer.get")
 
     async def put_many(
-        self, pairs: Iterable[tuple[RemoteRef, LocalRef]], *, timeout: float | None = None,
+        self,
+        pairs: Iterable[tuple[RemoteRef, LocalRef]],
+        *,
+        timeout: float | None = None,
         imm: int | None = None,
     ) -> None:
         """Many puts, ``(remote, local)`` pairs, in one native submission and one awaitable.
@@ -295,173 +269,132 @@ class Peer:
         """
         await self._transfer(lib.HX_OP_PUT, tuple(pairs), timeout, "Peer.put_many", imm)
 
-    async def get_many(
-        self, pairs: Iterable[tuple[LocalRef, RemoteRef]], *, timeout: float | None = None
-    ) -> None:
+    async def get_many(self, pairs: Iterable[tuple[LocalRef, RemoteRef]], *, timeout: float | None = None) -> None:
         """Many gets, ``(local, remote)`` pairs, in one native submission and one awaitable."""
-        await self._transfer(
-            lib.HX_OP_GET, tuple((r, l) for l, r in pairs), timeout, "Peer.get_many"
-        )
+        await self._transfer(lib.HX_OP_GET, tuple((r, loc) for loc, r in pairs), timeout, "Peer.get_many")
 
     async def _transfer(
-        self, opcode: int, pairs: tuple[tuple[Any, Any], ...], timeout: float | None, what: str,
+        self,
+        opcode: int,
+        pairs: tuple[tuple[Any, Any], ...],
+        timeout: float | None,
+        what: str,
         imm: int | None = None,
     ) -> None:
         self._check_open(what)
-        engine = self.agent._engine
-        if len(engine._ops) >= engine.capacity:
+        engine = self.agent.engine
+        if engine.full:
             await engine.admit()
             self._check_open(what)
         elif engine.backend is None:
             engine.attach()
-        put = opcode == 1  # HX_OP_PUT
+        checked = self._checked(opcode, pairs, what)
+        if not checked:
+            return
+        if imm is not None and not 0 <= imm <= 0xFFFFFFFF:
+            raise InvalidArgument(f"{what}: imm={imm} is not a 32-bit unsigned value")
+        if self._one_route is not None and imm is None:
+            waiters = self._one_route.post(engine, opcode, checked, what, self, None)
+        else:
+            waiters = []
+            for (link, path), group in (await self._group(checked, what)).items():
+                if imm is not None and not link.carries_imm:
+                    raise InvalidArgument(f"{what}: imm= needs the verbs transport; this op goes over {path}")
+                waiters += link.post(engine, opcode, group, what, self, imm)
+        if not waiters:
+            return
+        try:
+            await engine.wait_all(waiters, timeout, what)
+        except HixlError as exc:
+            raise self._explain(exc, what) from None
+
+    def _checked(self, opcode: int, pairs: tuple[tuple[Any, Any], ...], what: str) -> list[Pair]:
+        """Each pair checked as far as this side can: lengths, ownership, rights, liveness."""
+        put = opcode == lib.HX_OP_PUT
         need = 1 if put else 2  # Access.REMOTE_WRITE / REMOTE_READ, as plain ints: this is the hot path
         checked = []
         for remote, local in pairs:
             rs = self._remote_slice(remote, what)
             ls = _local_slice(local, what)
             region = ls.region
-            if region.agent is not self.agent:
-                raise InvalidArgument(f"{what}: local region {region._label()} belongs to another agent")
-            if region._closed:
-                region._check_open(what)
+            if region.agent.id != self.agent.id:
+                raise InvalidArgument(f"{what}: local region {region.label()} belongs to another agent")
+            if region.closed:
+                region.check_open(what)
             if rs.nbytes != ls.nbytes:
-                raise LengthMismatch(
-                    f"{what}: remote range is {rs.nbytes} bytes, local range is {ls.nbytes} bytes"
-                )
+                raise LengthMismatch(f"{what}: remote range is {rs.nbytes} bytes, local range is {ls.nbytes} bytes")
             rr = rs.region
-            if rr._id in self._withdrawn:
-                raise RegionUnavailable(f"{what}: peer {self.name!r} withdrew remote region {rr._label()}")
-            if not rr._access & need:
-                raise AccessDenied(
-                    f"{what}: remote region {rr._label()} was registered without {Access(need).name}"
-                )
-            if not put and region._pinned.readonly:
-                raise AccessDenied(f"{what}: local region {region._label()} is read-only")
+            if rr.id in self._withdrawn:
+                raise RegionUnavailable(f"{what}: {self.label} withdrew remote region {rr.label()}")
+            if not rr.rights & need:
+                raise AccessDenied(f"{what}: remote region {rr.label()} was registered without {Access(need).name}")
+            if not put and region.readonly:
+                raise AccessDenied(f"{what}: local region {region.label()} is read-only")
             if rs.nbytes:
                 checked.append((rs, ls))
-        if not checked:
-            return
-        if imm is not None and not 0 <= imm <= 0xFFFFFFFF:
-            raise InvalidArgument(f"{what}: imm={imm} is not a 32-bit unsigned value")
-        if self._shm is None and self._verbs_h is None and imm is None:
-            waiter = self._post(engine, self._handle, opcode, checked, what)
-            if waiter is None:
-                return
-            waiters = [waiter]
-        else:
-            groups: dict[Any, list] = {}
-            for pair in checked:
-                rr = pair[0].region
-                route = self._routes.get(rr._id)
-                if route is None:
-                    if self._shm is not None:
-                        route = await self._resolve(rr.info)
-                    else:
-                        route = self._default_route(rr.info, what)
-                if rr._id in self._withdrawn:  # withdrawn while the path was set up
-                    raise RegionUnavailable(f"{what}: peer {self.name!r} withdrew remote region {rr._label()}")
-                groups.setdefault(route, []).append(pair)
-            self._check_open(what)
-            if imm is not None and list(groups) != ["verbs"]:
-                raise InvalidArgument(f"{what}: imm= needs the verbs transport; this op goes over {sorted(groups)}")
-            waiters = []
-            for route, group in groups.items():
-                if route == "verbs":
-                    waiters += self._post_verbs(engine, opcode, group, what, imm)
-                    continue
-                waiter = self._post(engine, self._handle if route == "tcp" else self._shm, opcode, group, what)
-                if waiter is not None:
-                    waiters.append(waiter)
-            if not waiters:
-                return
-        try:
-            await engine.wait_all(waiters, timeout, what)
-        except HixlError as exc:
-            if self._verbs_h is not None and self._broken is None and lib.hx_peer_status(self._verbs_h):
-                # RC semantics: an error puts the queue pair in error; connect again.
-                self._broken = ConnectionLost(f"RDMA queue pair in error after {type(exc).__name__}")
-            if isinstance(exc, ConnectionLost) and self._broken is not None:
-                raise self._lost(what) from None  # say why, when it is known
-            raise
+        return checked
 
-    _VERBS_CHAIN = 128  # pairs per work-request chain; the send queue holds 512 WRs
+    async def _group(self, checked: list[Pair], what: str) -> dict[tuple[Link, str], list[Pair]]:
+        """Pairs by route: one native submission reaches its regions one way (e.g. all mapped)."""
+        groups: dict[tuple[Link, str], list[Pair]] = {}
+        for pair in checked:
+            rr = pair[0].region
+            route = self._routes.get(rr.id) or await self._route(rr.info, what)
+            if rr.id in self._withdrawn:  # withdrawn while the path was set up
+                raise RegionUnavailable(f"{what}: {self.label} withdrew remote region {rr.label()}")
+            groups.setdefault(route, []).append(pair)
+        self._check_open(what)
+        return groups
 
-    def _post_verbs(self, engine: Any, opcode: int, group: list, what: str, imm: int | None) -> list:
-        """One WR chain per 128 pairs, in order; ``imm`` rides on the very last write."""
-        waiters = []
-        for start in range(0, len(group), self._VERBS_CHAIN):
-            chunk = group[start : start + self._VERBS_CHAIN]
-            n = len(chunk)
-            sges = ffi.new("hx_sge[]", n)
-            for i, (rs, ls) in enumerate(chunk):
-                rr = rs.region
-                sge = sges[i]
-                sge.local_region = ls.region.id
-                sge.remote_region = rr._rkey  # for verbs: the rkey the remote NIC checks
-                sge.remote_off = rr.info.address + rs.offset  # and the remote virtual address
-                sge.local_off = ls.offset
-                sge.len = rs.nbytes
-            keep = tuple(ls.region for _, ls in chunk)
-            last = start + n >= len(group)
-            if imm is not None and last:
-                waiters.append(engine.post_imm(self._verbs_h, sges, n, keep, what, imm, self))
-            else:
-                waiters.append(engine.post(self._verbs_h, opcode, sges, n, keep, what, self))
-        return [w_ for w_ in waiters if w_ is not None]
-
-    def _post(self, engine: Any, handle: Any, opcode: int, group: list, what: str) -> Any:
-        n = len(group)
-        if n == 1:
-            sges = self._one_sge  # read by the native side during the call only
-            rs, ls = group[0]
-            sges.local_region = ls.region.id
-            sges.remote_region = rs.region._id
-            sges.local_off = ls.offset
-            sges.remote_off = rs.offset
-            sges.len = rs.nbytes
-            keep: tuple = (ls.region,)
-        else:
-            sges = ffi.new("hx_sge[]", n)
-            for i, (rs, ls) in enumerate(group):
-                sge = sges[i]
-                sge.local_region = ls.region.id
-                sge.remote_region = rs.region._id
-                sge.local_off = ls.offset
-                sge.remote_off = rs.offset
-                sge.len = rs.nbytes
-            keep = tuple(ls.region for _, ls in group)
-        return engine.post(handle, opcode, sges, n, keep, what, self)
+    def _explain(self, exc: HixlError, what: str) -> HixlError:
+        """The error to raise for a failed op: a broken path says so, and why."""
+        if self._broken is None:
+            for link in self.links:
+                if link.failed:
+                    # e.g. RC semantics: an error puts the queue pair in error; connect again.
+                    self._broken = ConnectionLost(f"{link.name} path in error after {type(exc).__name__}")
+                    break
+        if isinstance(exc, ConnectionLost) and self._broken is not None:
+            return self._lost(what)
+        return exc
 
     def _remote_slice(self, remote: Any, what: str) -> RemoteSlice:
         if isinstance(remote, RemoteRegion):
             remote = remote.as_slice()
         elif not isinstance(remote, RemoteSlice):
+            raise InvalidArgument(f"{what}: expected a RemoteRegion or a slice of one, got {type(remote).__name__}")
+        if remote.region.agent_id != self.remote_id:
             raise InvalidArgument(
-                f"{what}: expected a RemoteRegion or a slice of one, got {type(remote).__name__}"
-            )
-        if remote.region._agent_id != self.remote_id:
-            raise InvalidArgument(
-                f"{what}: remote region {remote.region._label()} belongs to another agent than this peer's"
+                f"{what}: remote region {remote.region.label()} belongs to another agent than this peer's"
             )
         return remote
 
     def _check_open(self, what: str) -> None:
-        if self._closed:
+        if self.closed:
             raise ClosedError(f"{what}: peer {self.name or self.remote_id.hex()} is closed")
-        self.agent._check_open(what)
+        self.agent.check_open(what)
         if self._broken is not None:
             raise self._lost(what)
 
     def _lost(self, what: str) -> ConnectionLost:
-        return ConnectionLost(f"{what}: connection to peer {self.name!r} lost ({self._broken})")
+        return ConnectionLost(f"{what}: connection to {self.label} lost ({self._broken})")
+
+    # ---- accounting and lifetime ----
+
+    def op_started(self) -> None:
+        self._ops += 1
+
+    def op_ended(self) -> None:
+        self._ops -= 1
+        if self._ops == 0 and self._free_pending:
+            self.free()
 
     async def aclose(self) -> None:
         """Close the peer; its outstanding ops fail with ClosedError."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
-        self._close_native()  # before the session ends: ops fail as closed, not lost
+        self.closed = True
+        self.close_links()  # before the session ends: ops fail as closed, not lost
         if self._session is not None and self._session.ended is None:
             with anyio.move_on_after(1.0):
                 try:
@@ -469,32 +402,32 @@ class Peer:
                 except HixlError:
                     pass
             self._session.cancel()
-        await self._close_uds()
+        await self.release_links()
         # Native handles go once the last op is back: a native thread may
         # still be finishing (or flushing) one.
         if self._ops == 0:
-            self._free()
+            self.free()
         else:
             self._free_pending = True
 
-    def _close_native(self) -> None:
-        for handle in self._handles():
-            lib.hx_peer_close(handle)
+    def close_links(self) -> None:
+        self.closed = True
+        for link in self.links:
+            link.close()
 
-    async def _close_uds(self) -> None:
-        if self._uds is not None:
-            uds, self._uds = self._uds, None
-            with anyio.CancelScope(shield=True):
-                await uds.aclose()
+    async def release_links(self) -> None:
+        for link in self.links:
+            await link.aclose()
 
-    def _free(self) -> None:
-        self._closed = True
+    def free(self) -> None:
+        self.closed = True
+        if self._freed:
+            return
         self._freed = True
         self._free_pending = False
-        self.agent._peers.discard(self)
-        for handle in self._handles():
-            lib.hx_peer_free(handle)
-        self._handle = self._shm = self._verbs_h = None
+        self.agent.forget_peer(self)
+        for link in self.links:
+            link.free()
 
     def __repr__(self) -> str:
         return f"<Peer {self.name or self.remote_id.hex()} via {self.transport}>"

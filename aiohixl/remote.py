@@ -11,24 +11,18 @@ __all__ = ["RemoteRegion", "RemoteSlice"]
 class RemoteRegion:
     """A region of a peer's agent, as its descriptor describes it. Slice it like a Region."""
 
-    __slots__ = ("info", "_id", "_access", "_agent_id", "_rkey")
+    __slots__ = ("info", "id", "agent_id", "rights")
 
     def __init__(self, info: RegionInfo) -> None:
         self.info = info
-        # copies of what every op checks, kept as plain values for speed
-        self._id = info.region_id
-        self._access = int(info.access)
-        self._agent_id = info.agent_id
-        key = info.keys.get(1)  # the verbs rkey, when the owner has an RDMA device
-        self._rkey = int.from_bytes(key, "little") if key is not None and len(key) == 4 else None
+        # what every op checks, as plain values: this is the hot path
+        self.id = info.region_id
+        self.agent_id = info.agent_id
+        self.rights = int(info.access)
 
     @property
     def name(self) -> str | None:
         return self.info.name
-
-    @property
-    def id(self) -> int:
-        return self.info.region_id
 
     @property
     def nbytes(self) -> int:
@@ -42,7 +36,7 @@ class RemoteRegion:
         return self.info.nbytes
 
     def __getitem__(self, key: slice) -> RemoteSlice:
-        offset, nbytes = slice_range(key, self.info.nbytes, f"RemoteRegion {self._label()}")
+        offset, nbytes = slice_range(key, self.info.nbytes, f"RemoteRegion {self.label()}")
         return RemoteSlice(self, offset, nbytes)
 
     def as_slice(self) -> RemoteSlice:
@@ -51,11 +45,11 @@ class RemoteRegion:
     def descriptor(self) -> bytes:
         return encode_info(self.info)
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return f"{self.name!r} (id {self.id})" if self.name else f"id {self.id}"
 
     def __repr__(self) -> str:
-        return f"<RemoteRegion {self._label()} {self.nbytes} bytes {self.access!s}>"
+        return f"<RemoteRegion {self.label()} {self.nbytes} bytes {self.access!s}>"
 
 
 class RemoteSlice:
@@ -72,8 +66,8 @@ class RemoteSlice:
         return self.nbytes
 
     def __getitem__(self, key: slice) -> RemoteSlice:
-        offset, nbytes = slice_range(key, self.nbytes, f"slice of remote region {self.region._label()}")
+        offset, nbytes = slice_range(key, self.nbytes, f"slice of remote region {self.region.label()}")
         return RemoteSlice(self.region, self.offset + offset, nbytes)
 
     def __repr__(self) -> str:
-        return f"<RemoteSlice {self.region._label()} [{self.offset}:{self.offset + self.nbytes}]>"
+        return f"<RemoteSlice {self.region.label()} [{self.offset}:{self.offset + self.nbytes}]>"

@@ -68,7 +68,7 @@ class Target:
             try:
                 with anyio.fail_after(10):
                     await self.cmd(op="exit")
-            except Exception:  # noqa: BLE001
+            except Exception:
                 self.kill()
         with anyio.CancelScope(shield=True):
             await self.proc.wait()

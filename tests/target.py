@@ -78,7 +78,7 @@ async def main() -> None:
                 note = await asyncio.wait_for(agent.notification(), cmd.get("timeout", 60))
                 out.update(imm=note.imm, nbytes=note.nbytes)
             elif op == "info":
-                out.update(verbs=agent.verbs_unavailable or "ready", transports=agent._offered_transports())
+                out.update(verbs=agent.verbs_unavailable or "ready", transports=[n for n in agent.transports if n not in agent.unavailable])
             elif op == "close":
                 start = time.monotonic()
                 await regions.pop(cmd["name"]).close()

@@ -2,17 +2,17 @@
 refusals, concurrency, cancellation and closing."""
 
 import asyncio
+import dataclasses
 import time
 
 import numpy as np
 import pytest
 import pytest_asyncio
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import aiohixl
 from aiohixl import Access
-import dataclasses
-
 from aiohixl.remote import RemoteRegion
 
 from .conftest import random_bytes
@@ -179,13 +179,13 @@ async def test_ten_thousand_concurrent_ops(agent):
     # mix inline ops with ops on the copy pool so both completion paths are counted
     ops = [peer.put(dst[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(n)]
     ops += [peer.put(bigdst[i << 20 : (i + 1) << 20], big_src) for i in range(100)]
-    before = agent._engine.completed
+    before = agent.engine.completed
     results = await asyncio.gather(*ops)
     assert results == [None] * len(ops)
     assert np.array_equal(dst_arr, src_arr)
     assert agent.outstanding == 0
-    assert agent._engine.completed - before == len(ops)  # each op accounted for once
-    assert agent._engine.unknown_completions == 0  # and none completed twice
+    assert agent.engine.completed - before == len(ops)  # each op accounted for once
+    assert agent.engine.unknown_completions == 0  # and none completed twice
 
 
 async def test_max_inflight_waits_for_room():

@@ -4,7 +4,8 @@ import mmap
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import aiohixl
 from aiohixl import Access

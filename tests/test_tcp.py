@@ -12,7 +12,8 @@ import anyio
 import numpy as np
 import pytest
 import pytest_asyncio
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import aiohixl
 from aiohixl import Access
@@ -103,13 +104,13 @@ async def test_put_many_get_many(pair):
 async def test_thousand_concurrent_ops(pair):
     peer, kv, src, src_arr, agent = pair["peer"], pair["kv"], pair["src"], pair["src_arr"], pair["agent"]
     size = 8192
-    before = agent._engine.completed
+    before = agent.engine.completed
     puts = [peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(1000)]
     gets = [peer.get(pair["dst"][i * size : (i + 1) * size], pair["rsrc"][i * size : (i + 1) * size])
             for i in range(1000)]
     assert await asyncio.gather(*puts, *gets) == [None] * 2000
-    assert agent._engine.completed - before == 2000 and agent.outstanding == 0
-    assert agent._engine.unknown_completions == 0
+    assert agent.engine.completed - before == 2000 and agent.outstanding == 0
+    assert agent.engine.unknown_completions == 0
     assert await pair["target"].hash("kv", 0, 1000 * size) == sha(src_arr[: 1000 * size])
     assert np.array_equal(pair["dst_arr"][: 1000 * size], pair["tsrc"][: 1000 * size])
 
@@ -258,9 +259,9 @@ async def test_fuzzed_frames_on_an_authenticated_data_connection(victim, data):
     # native data frames belong: only that connection may close.
     async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
         ch = c.Channel(await anyio.connect_tcp("127.0.0.1", victim.port))
-        info = await c.client_handshake(ch, TOKEN.encode(), w.ROLE_CONTROL, bytes(16), agent, "fuzz")
+        info = await c.client_handshake(ch, TOKEN.encode(), w.ROLE_CONTROL, bytes(16), agent._identity(), "fuzz")
         data_ch = c.Channel(await anyio.connect_tcp("127.0.0.1", victim.port))
-        await c.client_handshake(data_ch, TOKEN.encode(), w.ROLE_DATA, info.session, agent, "fuzz")
+        await c.client_handshake(data_ch, TOKEN.encode(), w.ROLE_DATA, info.session, agent._identity(), "fuzz")
         await data_ch.stream.send(data)
         with anyio.move_on_after(0.05):
             try:
@@ -394,10 +395,10 @@ async def test_a_put_stalled_mid_payload_cannot_hold_a_region_forever():
         async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
             # A real client's handshake, then half a PUT frame and silence.
             ch = c.Channel(await anyio.connect_tcp("127.0.0.1", target.port))
-            info = await c.client_handshake(ch, TOKEN.encode(), w.ROLE_CONTROL, bytes(16), agent, "stall")
+            info = await c.client_handshake(ch, TOKEN.encode(), w.ROLE_CONTROL, bytes(16), agent._identity(), "stall")
             kv = [aiohixl.RemoteRegion(__import__("aiohixl").descriptor.decode(d)) for d in info.regions][0]
             data_ch = c.Channel(await anyio.connect_tcp("127.0.0.1", target.port))
-            await c.client_handshake(data_ch, TOKEN.encode(), w.ROLE_DATA, info.session, agent, "stall")
+            await c.client_handshake(data_ch, TOKEN.encode(), w.ROLE_DATA, info.session, agent._identity(), "stall")
             header = struct.pack("<IB3xI4xQQQ", 0x50445848, 1, kv.id, 0, 1 << 20, 1)
             await data_ch.stream.send(header + bytes(1000))
             await anyio.sleep(0.2)

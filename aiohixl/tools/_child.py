@@ -13,19 +13,21 @@ class LineChild:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
-        self.first = self.proc.stdout.readline().strip()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        self.first = self.stdout.readline().strip()
         if not self.first:
             raise RuntimeError(f"{' '.join(args)} did not start")
 
     def ask(self, line: str) -> str:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self.proc.stdout.readline().strip()
+        self.stdin.write(line + "\n")
+        self.stdin.flush()
+        return self.stdout.readline().strip()
 
     def close(self) -> None:
         try:
-            self.proc.stdin.write("exit\n")
-            self.proc.stdin.flush()
+            self.stdin.write("exit\n")
+            self.stdin.flush()
             self.proc.wait(10)
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()

@@ -28,7 +28,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +41,7 @@ def available(kind: str) -> str | None:
     module = {"nixl": "nixl_cu12._api", "mooncake": "mooncake.engine"}[kind]
     try:
         __import__(module)
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+    except Exception as exc:
         return f"{module} not importable ({type(exc).__name__}: {exc})"[:200]
     return None
 

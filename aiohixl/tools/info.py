@@ -22,7 +22,7 @@ class TransportStatus:
 
 def rdma_devices() -> list[tuple[str, list[str]]]:
     """``(device, ["port 1: ACTIVE (RoCE)", ...])`` for each RDMA device the kernel shows."""
-    out = []
+    out: list[tuple[str, list[str]]] = []
     try:
         names = sorted(os.listdir(_IB_SYSFS))
     except OSError:
@@ -57,10 +57,10 @@ def _verbs_status() -> TransportStatus:
         return TransportStatus("verbs", False, "built without rdma-core headers (install libibverbs-dev, reinstall)")
     if ctypes.util.find_library("ibverbs") is None:
         return TransportStatus("verbs", False, "libibverbs not installed (apt install libibverbs1 ibverbs-providers)")
-    from .. import _rdma
+    from ..transports import verbs
 
     try:
-        choice = _rdma.choose()
+        choice = verbs.choose()
     except ValueError as exc:
         return TransportStatus("verbs", False, str(exc))
     return TransportStatus(

@@ -16,8 +16,9 @@ import pytest
 import pytest_asyncio
 
 import aiohixl
-from aiohixl import Access, _rdma
+from aiohixl import Access
 from aiohixl.remote import RemoteRegion
+from aiohixl.transports import verbs as _rdma
 
 from ..harness import TOKEN, Target, pattern, sha
 
@@ -122,12 +123,12 @@ async def test_write_with_imm_reaches_the_target(pair):
 async def test_thousand_concurrent_ops(pair):
     peer, a = pair["peer"], pair["agent"]
     size = 2048
-    before = a._engine.completed
+    before = a.engine.completed
     puts = [peer.put(pair["kv"][i * size : (i + 1) * size], pair["src"][i * size : (i + 1) * size]) for i in range(500)]
     gets = [peer.get(pair["dst"][i * size : (i + 1) * size], pair["rsrc"][i * size : (i + 1) * size])
             for i in range(500)]
     assert await asyncio.gather(*puts, *gets) == [None] * 1000
-    assert a._engine.completed - before == 1000 and a.outstanding == 0 and a._engine.unknown_completions == 0
+    assert a.engine.completed - before == 1000 and a.outstanding == 0 and a.engine.unknown_completions == 0
     assert await pair["target"].hash("kv", 0, 500 * size) == sha(pair["src_arr"][: 500 * size])
     assert np.array_equal(pair["dst_arr"][: 500 * size], pattern(SPACE, 5)[: 500 * size])
 

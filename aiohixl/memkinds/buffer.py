@@ -1,0 +1,23 @@
+"""Buffer-protocol objects: bytearray, memoryview, mmap, numpy arrays."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._native import ffi
+from ..errors import UnsupportedMemory
+from .base import Pinned, address_of
+
+
+def pin(obj: Any, what: str) -> Pinned | None:
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        return None
+    if not view.c_contiguous:
+        view.release()
+        raise UnsupportedMemory(f"{what}: {type(obj).__name__} buffer is not C-contiguous")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    cdata = ffi.from_buffer(view, require_writable=not view.readonly)
+    return Pinned(address_of(cdata), view.nbytes, view.readonly, "cpu", (cdata, view), obj)

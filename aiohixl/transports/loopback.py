@@ -1,0 +1,28 @@
+"""loopback: ops between regions of one agent, copied by its own native threads."""
+
+from __future__ import annotations
+
+from .._control import PeerInfo
+from .._native import check, ffi, lib
+from .base import Link, Transport
+
+
+class LoopbackLink(Link):
+    reaches_all = True
+    name = "loopback"
+
+
+class LoopbackTransport(Transport):
+    name = "loopback"
+    rank = 0
+    local_only = True
+
+    def usable_with(self, info: PeerInfo) -> bool:
+        return False  # never to another agent
+
+    def self_link(self) -> LoopbackLink:
+        status = ffi.new("int *")
+        handle = lib.hx_loopback_new(self.agent.engine.native, status)
+        if handle == ffi.NULL:
+            check(status[0], "Agent.loopback")
+        return LoopbackLink(handle)

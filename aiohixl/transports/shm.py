@@ -1,0 +1,214 @@
+"""shm: agents on one host; the target does nothing at all.
+
+A region the target allocated (a sealed memfd) is mapped here once, from an
+fd the target's agent passes over an abstract unix socket; user memory is
+reached with cross-memory attach (process_vm_writev/readv) when the kernel
+permits it. Either way ranges and rights come from the target's own answer,
+never from a caller's descriptor, and every op is checked against them. A
+region reachable neither way falls back to the next link (verbs, tcp).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from .. import _control as c
+from .. import _wire as w
+from .._control import Identity, PeerInfo
+from .._native import ffi, lib
+from ..descriptor import RegionInfo
+from ..errors import HixlError
+from ..memory import Access
+from .base import AgentView, ControlView, Dial, Link, ListenerView, Transport
+
+# The unix socket that hands out memfds: request region u32 + session[16],
+# answer status u8 + size u64 (+ the fd when status is FD_OK).
+_FD_REQUEST = struct.Struct("<I16s")
+_FD_ANSWER = struct.Struct("<BQ")
+
+
+class ShmLink(Link):
+    name = "shm"
+
+    def __init__(self, handle: Any, uds: Any, cma: bool, session: bytes) -> None:
+        super().__init__(handle)
+        self._uds = uds
+        self._uds_lock = anyio.Lock()
+        self._cma = cma
+        self._session = session
+        self._freed = False
+
+    async def reach(self, info: RegionInfo, control: ControlView | None, what: str) -> str | None:
+        if control is None:
+            return None
+        rid = info.region_id
+        # The target's own word on the region, never the caller's descriptor:
+        # a forged size or address must not reach a copy into its memory.
+        own = await control.region_info(rid, what)
+        if own is None:
+            return None
+        if own.kind == "memfd" and self._uds is not None:
+            fd = await self._fetch_fd(rid)
+            if fd is not None:
+                try:
+                    rc = lib.hx_shm_map(self.handle, rid, fd, own.nbytes, int(own.access))
+                finally:
+                    os.close(fd)
+                if rc == 0:
+                    return "shm-memfd"
+                c.log.info("aiohixl: %s region %d: mapping refused (status %d)", control.label, rid, rc)
+        if self._cma and lib.hx_shm_attach(self.handle, rid, own.address, own.nbytes, int(own.access)) == 0:
+            return "shm-cma"
+        return None
+
+    async def _fetch_fd(self, rid: int) -> int | None:
+        async with self._uds_lock:
+            try:
+                await self._uds.send(_FD_REQUEST.pack(rid, self._session))
+                msg, fds = await self._uds.receive_fds(_FD_ANSWER.size, 1)
+            except (*c.STREAM_ERRORS, ValueError):
+                return None
+        if len(msg) != _FD_ANSWER.size or _FD_ANSWER.unpack(msg)[0] != w.FD_OK or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            return None
+        return int(fds[0])
+
+    async def forget(self, region_id: int) -> None:
+        if not self._freed:
+            await anyio.to_thread.run_sync(lib.hx_shm_forget, self.handle, region_id, 1)
+
+    async def aclose(self) -> None:
+        if self._uds is not None:
+            uds, self._uds = self._uds, None
+            with anyio.CancelScope(shield=True):
+                await uds.aclose()
+
+    def free(self) -> None:
+        self._freed = True
+        super().free()
+
+
+class ShmTransport(Transport):
+    name = "shm"
+    rank = 1
+
+    def __init__(self, agent: AgentView, options: dict[str, Any]) -> None:
+        super().__init__(agent, options)
+        # 16 bytes a same-host peer reads with process_vm_readv to learn
+        # whether cross-memory attach to this process is permitted.
+        self._probe = ffi.new("uint8_t[16]", agent.id)
+        self._socket_name = ""
+        self._unix: Any = None
+
+    def advertise(self, me: Identity) -> None:
+        me.probe = int(ffi.cast("uintptr_t", self._probe))
+        me.shm_socket = self._socket_name
+
+    def usable_with(self, info: PeerInfo) -> bool:
+        return super().usable_with(info) and self.agent.host_identity.same_host(info.host)
+
+    def acknowledges_withdrawal(self, info: PeerInfo) -> bool:
+        return self.agent.host_identity.same_host(info.host)
+
+    # ---- the listener's side: memfds for authenticated same-host peers ----
+
+    async def serve(self, listener: ListenerView, start_soon: Callable[..., Any]) -> None:
+        name = f"\0aiohixl-{self.agent.id.hex()}"
+        try:
+            self._unix = await anyio.create_unix_listener(name)
+        except OSError as exc:
+            c.log.warning("aiohixl %s: no memfd sharing (unix socket: %s)", listener.address, exc)
+            return
+        self._socket_name = name
+        start_soon(self._unix.serve, lambda stream: self._hand_out_fds(stream, listener))
+
+    async def stop_serving(self) -> None:
+        if self._unix is not None:
+            with anyio.CancelScope(shield=True):
+                await self._unix.aclose()
+
+    async def _hand_out_fds(self, stream: Any, listener: ListenerView) -> None:
+        """Hands memfds to the authenticated, same-host process that asks."""
+        try:
+            sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+            pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            while True:
+                request = await _receive_exactly(stream, _FD_REQUEST.size)
+                region_id, sid = _FD_REQUEST.unpack(request)
+                session = listener.session(sid)
+                if session is None or session.info.pid != pid or uid != os.getuid():
+                    await stream.send(_FD_ANSWER.pack(w.FD_REFUSED, 0))
+                    return
+                region = self.agent.live_region(region_id)
+                if region is None or region.pinned.fd is None:
+                    await stream.send(_FD_ANSWER.pack(w.FD_UNKNOWN, 0))
+                    continue
+                if not region.access:
+                    await stream.send(_FD_ANSWER.pack(w.FD_ACCESS, 0))
+                    continue
+                # A peer without REMOTE_WRITE gets a read-only fd: it cannot map it writable.
+                flags = os.O_RDWR if region.access & Access.REMOTE_WRITE else os.O_RDONLY
+                fd = os.open(f"/proc/self/fd/{region.pinned.fd}", flags | os.O_CLOEXEC)
+                try:
+                    await stream.send_fds(_FD_ANSWER.pack(w.FD_OK, region.nbytes), [fd])
+                finally:
+                    os.close(fd)
+        except (HixlError, *c.STREAM_ERRORS, struct.error):
+            pass
+        except Exception:
+            c.log.exception("aiohixl %s: fd request handler failed", listener.address)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+    # ---- the initiator's side ----
+
+    async def dial(self, dial: Dial) -> ShmLink | None:
+        """Each path is tried and kept only if it works; a log line says what falls back and why."""
+        info, what = dial.info, dial.what
+        cma = False
+        reasons = []
+        if self.agent.host_identity.same_namespaces(info.host):
+            got = ffi.new("uint8_t[16]")
+            rc = lib.hx_cma_probe(info.pid, info.probe, got, 16)
+            cma = rc == 0 and bytes(got) == info.agent_id
+            if not cma:
+                why = os.strerror(-rc) if rc else "mismatch"
+                reasons.append(f"cross-memory attach to pid {info.pid} refused ({why})")
+        else:
+            reasons.append("different pid/user/net namespaces: no cross-memory attach")
+        uds = None
+        if info.shm_socket:
+            try:
+                uds = await anyio.connect_unix(info.shm_socket)
+            except OSError as exc:
+                reasons.append(f"memfd socket unreachable ({exc.strerror})")
+        else:
+            reasons.append("the peer shares no memfds")
+        if not cma and uds is None:
+            c.log.warning("aiohixl %s: same host, but no shared memory path (%s)", what, "; ".join(reasons))
+            return None
+        status = ffi.new("int *")
+        handle = lib.hx_shm_new(self.agent.engine.native, info.pid if cma else 0, status)
+        if handle == ffi.NULL:
+            if uds is not None:
+                await uds.aclose()
+            c.log.warning("aiohixl %s: shared memory unavailable (status %d)", what, status[0])
+            return None
+        if reasons:
+            c.log.info("aiohixl %s: shared memory with fallbacks: %s", what, "; ".join(reasons))
+        return ShmLink(handle, uds, cma, info.session)
+
+
+async def _receive_exactly(stream: Any, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        data += await stream.receive(n - len(data))
+    return data

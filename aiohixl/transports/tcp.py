@@ -1,0 +1,73 @@
+"""tcp: any two hosts. A second, authenticated connection per peer carries the data.
+
+The initiator hands that connection's socket to its agent's native I/O thread,
+which posts ops on it; the target's listener hands its end to the target's
+I/O thread, which checks each request against the registry and places
+payloads straight into registered memory. Neither event loop is involved in
+moving bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+from .. import _control as c
+from .. import _wire as w
+from .._native import check, ffi, lib
+from ..errors import InvalidArgument
+from .base import AgentView, Dial, Link, SessionView, Transport
+
+
+class TcpLink(Link):
+    reaches_all = True
+    name = "tcp"
+
+
+class TcpTransport(Transport):
+    name = "tcp"
+    rank = 3
+    takes_data_connections = True
+
+    def __init__(self, agent: AgentView, options: dict[str, Any]) -> None:
+        super().__init__(agent, options)
+        stall = options.get("stall_timeout", 10.0)
+        if not stall > 0:
+            raise InvalidArgument(f"Agent(stall_timeout={stall}): must be > 0")
+        lib.hx_agent_set_stall(agent.engine.native, int(stall * 1e9))
+
+    async def take_data_connection(self, ch: c.Channel, session: SessionView) -> bool:
+        fd = ch.fileno_for_handoff()
+        # The stream is closed before the native side says DATA_OK, so the
+        # client's first request can only be read by the native thread.
+        await ch.stream.aclose()
+        rc = lib.hx_tcp_serve_fd(
+            self.agent.engine.native, fd, session_key(session.sid), w.DATA_OK_FRAME, len(w.DATA_OK_FRAME)
+        )
+        if rc < 0:
+            c.log.warning("aiohixl %s: could not serve a data connection (status %d)", self.agent.name, rc)
+        return True
+
+    def session_ended(self, session: SessionView) -> None:
+        native = self.agent.engine.native
+        if native is not None:  # else the agent is gone, and its connections with it
+            lib.hx_tcp_drop_session(native, session_key(session.sid))
+
+    async def dial(self, dial: Dial) -> TcpLink | None:
+        ch = c.Channel(await anyio.connect_tcp(dial.host, dial.port))
+        try:
+            await c.client_handshake(ch, dial.key, w.ROLE_DATA, dial.info.session, dial.me, dial.what)
+            fd = ch.fileno_for_handoff()
+        finally:
+            await ch.aclose()
+        status = ffi.new("int *")
+        handle = lib.hx_tcp_connect_fd(self.agent.engine.native, fd, status)
+        if handle == ffi.NULL:
+            check(status[0], dial.what)
+        return TcpLink(handle)
+
+
+def session_key(sid: bytes) -> int:
+    """The native side's name for a control session (its data connections go with it)."""
+    return int.from_bytes(sid[:8], "little")
