@@ -1,5 +1,6 @@
 # make test      set up .venv, build the native module, run the test suite
 # make example   run examples/quickstart.py
+# make lint      ruff (lint + format), mypy, clang-format: all must be clean
 # WITH_TORCH=1   also install torch (CPU) so the torch tests run instead of skipping
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,14 +9,14 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv test example clean
+.PHONY: venv test example lint clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py $(wildcard _native/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,lint]'
 ifeq ($(WITH_TORCH),1)
 	$(PY) -m pip install -q '$(TORCH_SPEC)' || echo "torch not installed: torch tests will skip"
 endif
@@ -27,12 +28,20 @@ test: venv
 example: venv
 	$(PY) examples/quickstart.py
 
+C_SOURCES = $(shell find _native -name '*.[ch]' | sort)
+lint: venv
+	$(PY) -m ruff check aiohixl tests examples _native
+	$(PY) -m ruff format --check aiohixl tests examples _native
+	$(PY) -m mypy
+	@command -v clang-format >/dev/null || { echo "clang-format missing: apt-get install clang-format"; exit 1; }
+	clang-format --dry-run --Werror $(C_SOURCES)
+
 clean:
 	rm -rf $(VENV) build *.egg-info aiohixl/_hixl*.so
 
 # The RDMA tier: tests/rdma inside a throwaway VM with the Soft-RoCE device rxe0.
 SOFTROCE := tests/softroce
-RDMA_PYTEST := PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(abspath $(PY)) -m pytest -q -p pytest_asyncio.plugin -p pytest_timeout -p no:cacheprovider -v tests/rdma
+RDMA_PYTEST := PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(abspath $(PY)) -m pytest -q -p pytest_asyncio.plugin -p pytest_timeout -p no:cacheprovider -v tests/rdma tests/test_contract.py
 
 .PHONY: test-rdma
 test-rdma: venv

@@ -3,6 +3,7 @@
 The cdef is the block of hixl.h between the CDEF markers, so the header is
 the single statement of the native interface.
 """
+
 import os
 import re
 

@@ -57,13 +57,10 @@ NAMES = {
 }
 
 ROLE_CONTROL, ROLE_DATA = 0, 1
-ERR_AUTH, ERR_VERSION, ERR_PROTOCOL, ERR_SESSION = 1, 2, 3, 4
+ERR_AUTH, ERR_VERSION, ERR_SESSION = 1, 2, 4  # 3 was ERR_PROTOCOL, never sent
 LOOKUP_OK, LOOKUP_UNKNOWN = 0, 1
 BY_NAME, BY_ID = 0, 1
 
-# The unix socket that hands out memfds: request region u32 + session[16],
-# answer status u8 + size u64 (+ the fd when status is FD_OK).
-FD_OK, FD_UNKNOWN, FD_ACCESS, FD_REFUSED = 0, 1, 2, 3
 
 _HEAD = struct.Struct("<IB")
 
@@ -171,11 +168,3 @@ def split_head(head: bytes, limit: int) -> tuple[int, int]:
 HEAD_SIZE = _HEAD.size
 DATA_OK_FRAME = Writer().frame(DATA_OK)
 
-
-def qp_info(wr: Writer, qpn: int, psn: int, gid: bytes, lid: int, mtu: int) -> Writer:
-    """The queue pair facts two sides exchange to connect RC QPs."""
-    return wr.u32(qpn).u32(psn).raw(gid).u16(lid).u8(mtu)
-
-
-def read_qp_info(r: Reader) -> tuple[int, int, bytes, int, int]:
-    return r.u32(), r.u32(), r.raw(16), r.u16(), r.u8()

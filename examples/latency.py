@@ -25,8 +25,10 @@ async def main(size: int, iterations: int) -> None:
             await peer.put(dst, src)
             samples.append(time.perf_counter() - t0)
         samples.sort()
-        print(f"loopback put {size} B: median {statistics.median(samples) * 1e6:.2f} us, "
-              f"p99 {samples[int(len(samples) * 0.99)] * 1e6:.2f} us over {iterations} ops")
+        print(
+            f"loopback put {size} B: median {statistics.median(samples) * 1e6:.2f} us, "
+            f"p99 {samples[int(len(samples) * 0.99)] * 1e6:.2f} us over {iterations} ops"
+        )
 
         cpu0, wall0 = time.process_time(), time.perf_counter()
         await asyncio.sleep(2.0)

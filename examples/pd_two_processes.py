@@ -38,8 +38,9 @@ async def prefill(address: str) -> None:
         for i in range(BLOCKS):  # "compute" the KV cache
             cache.memory[i * BLOCK : (i + 1) * BLOCK] = f"blk{i:04d}".encode().ljust(BLOCK, b".")
         # Push every block; the awaits overlap, each returns once its bytes are in decode's memory.
-        await asyncio.gather(*(peer.put(kv[i * BLOCK : (i + 1) * BLOCK], cache[i * BLOCK : (i + 1) * BLOCK])
-                               for i in range(BLOCKS)))
+        await asyncio.gather(
+            *(peer.put(kv[i * BLOCK : (i + 1) * BLOCK], cache[i * BLOCK : (i + 1) * BLOCK]) for i in range(BLOCKS))
+        )
         print(f"prefill: pushed {BLOCKS} blocks of {BLOCK // 1024} KiB via {peer.transport}")
 
 

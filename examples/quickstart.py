@@ -23,7 +23,7 @@ async def main() -> None:
         # One-sided: the owner of "kv" calls nothing. Ops overlap with asyncio.gather.
         await asyncio.gather(
             peer.put(remote_kv[0:4096], cache[0:4096]),
-            peer.put(remote_kv[4096:1 << 20], cache[4096:1 << 20]),
+            peer.put(remote_kv[4096 : 1 << 20], cache[4096 : 1 << 20]),
         )
         assert bytes(kv.memory) == bytes(cache.memory)
 

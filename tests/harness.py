@@ -33,14 +33,37 @@ class Target:
         self.port = int(address.rpartition(":")[2])
 
     @classmethod
-    async def start(cls, listen: str = "127.0.0.1:0", heartbeat: float = 1.0, token: str = TOKEN,
-                    prefix: tuple[str, ...] = (), rdma_timeout: int = 14, stall: float = 10.0) -> Target:
+    async def start(
+        cls,
+        listen: str = "127.0.0.1:0",
+        heartbeat: float = 1.0,
+        token: str = TOKEN,
+        prefix: tuple[str, ...] = (),
+        rdma_timeout: int = 14,
+        stall: float = 10.0,
+    ) -> Target:
         """``prefix`` runs the target under another command (e.g. unshare)."""
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         proc = await anyio.open_process(
-            [*prefix, sys.executable, "-m", "tests.target", "--token", token, "--listen", listen,
-             "--heartbeat", str(heartbeat), "--rdma-timeout", str(rdma_timeout), "--stall", str(stall)],
-            cwd=ROOT, env=env, stderr=None,
+            [
+                *prefix,
+                sys.executable,
+                "-m",
+                "tests.target",
+                "--token",
+                token,
+                "--listen",
+                listen,
+                "--heartbeat",
+                str(heartbeat),
+                "--rdma-timeout",
+                str(rdma_timeout),
+                "--stall",
+                str(stall),
+            ],
+            cwd=ROOT,
+            env=env,
+            stderr=None,
         )
         out = BufferedByteReceiveStream(proc.stdout)
         with anyio.fail_after(300 if os.environ.get("SOFTROCE_GUEST") else 30):  # emulated VM: slow start

@@ -33,10 +33,16 @@ async def main() -> None:
     p.add_argument("--rdma-timeout", type=int, default=14)
     p.add_argument("--stall", type=float, default=10.0)
     args = p.parse_args()
-    async with aiohixl.Agent("target", listen=args.listen, token=args.token,
-                             heartbeat_interval=args.heartbeat, heartbeat_timeout=args.heartbeat * 3,
-                             rdma_timeout=args.rdma_timeout, rdma_retry_count=1,
-                             stall_timeout=args.stall) as agent:
+    async with aiohixl.Agent(
+        "target",
+        listen=args.listen,
+        token=args.token,
+        heartbeat_interval=args.heartbeat,
+        heartbeat_timeout=args.heartbeat * 3,
+        rdma_timeout=args.rdma_timeout,
+        rdma_retry_count=1,
+        stall_timeout=args.stall,
+    ) as agent:
         regions = {}
         arrays = {}
         print(json.dumps({"address": agent.address}), flush=True)
@@ -56,29 +62,33 @@ async def main() -> None:
                     view = np.zeros(cmd["size"], dtype=np.uint8)
                     region = agent.register(view, name=cmd["name"], access=access)
                 if cmd.get("seed") is not None:
-                    view[:] = pattern(cmd["size"], cmd["seed"])
+                    # Off the loop: a busy machine takes seconds for 256 MiB, longer than a heartbeat.
+                    view[:] = await asyncio.to_thread(pattern, cmd["size"], cmd["seed"])
                 regions[cmd["name"]] = region
                 arrays[cmd["name"]] = view
                 out["descriptor"] = region.descriptor().hex()
             elif op == "hash":
                 view = arrays[cmd["name"]]
-                out["sha256"] = hashlib.sha256(view[cmd["offset"] : cmd["offset"] + cmd["len"]]).hexdigest()
+                chunk = view[cmd["offset"] : cmd["offset"] + cmd["len"]]
+                out["sha256"] = await asyncio.to_thread(lambda c=chunk: hashlib.sha256(c).hexdigest())
             elif op == "pump":
                 # Puts into a region of the test process while it puts into ours.
                 transports = tuple(cmd["transports"]) if cmd.get("transports") else None
                 peer = await agent.connect(cmd["address"], transports=transports)
                 remote = await peer.region(cmd["name"])
                 size, count = cmd["size"], cmd["count"]
-                src = agent.register(pattern(size * count, cmd["seed"]))
-                await asyncio.gather(*(peer.put(remote[i * size : (i + 1) * size], src[i * size : (i + 1) * size])
-                                       for i in range(count)))
+                src = agent.register(await asyncio.to_thread(pattern, size * count, cmd["seed"]))
+                await asyncio.gather(
+                    *(peer.put(remote[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count))
+                )
                 await peer.aclose()
             elif op == "notify":
                 # The next RDMA WRITE WITH IMM that lands here.
                 note = await asyncio.wait_for(agent.notification(), cmd.get("timeout", 60))
                 out.update(imm=note.imm, nbytes=note.nbytes)
             elif op == "info":
-                out.update(verbs=agent.verbs_unavailable or "ready", transports=[n for n in agent.transports if n not in agent.unavailable])
+                usable = [n for n in agent.transports if n not in agent.unavailable]
+                out.update(verbs=agent.verbs_unavailable or "ready", transports=usable)
             elif op == "close":
                 start = time.monotonic()
                 await regions.pop(cmd["name"]).close()

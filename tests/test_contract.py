@@ -50,8 +50,14 @@ class Path:
     target: Target | None  # None: the peer is the agent itself
     arrays: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
-    async def region(self, name: str, size: int, *, access: Access = Access.REMOTE_READ | Access.REMOTE_WRITE,
-                     seed: int | None = None) -> RemoteRegion:
+    async def region(
+        self,
+        name: str,
+        size: int,
+        *,
+        access: Access = Access.REMOTE_READ | Access.REMOTE_WRITE,
+        seed: int | None = None,
+    ) -> RemoteRegion:
         """A region of the target that this path reaches, filled with ``pattern(size, seed)``."""
         if self.target is None:
             region = self.agent.allocate(size, name=name, access=access)
@@ -95,10 +101,12 @@ async def path(request):
         await target.aclose()
 
 
-hyp = settings(max_examples=6 if IN_VM else 15, deadline=None,
-               suppress_health_check=[HealthCheck.function_scoped_fixture])
-sizes = st.one_of(st.integers(1, 4096), st.integers(4097, SPACE),
-                  st.sampled_from([1, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, SPACE]))
+hyp = settings(
+    max_examples=6 if IN_VM else 15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+sizes = st.one_of(
+    st.integers(1, 4096), st.integers(4097, SPACE), st.sampled_from([1, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, SPACE])
+)
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -126,8 +134,9 @@ async def test_many_pairs_in_one_submission(path):
     total = int(offs[-1] + sizes_[-1])
     assert await path.hash("kv", 0, total) == sha(path.src_arr[:total])
     path.dst_arr[:total] = 0
-    await path.peer.get_many([(path.dst[int(o) : int(o + s)], path.ksrc[int(o) : int(o + s)])
-                              for o, s in zip(offs, sizes_, strict=True)])
+    await path.peer.get_many(
+        [(path.dst[int(o) : int(o + s)], path.ksrc[int(o) : int(o + s)]) for o, s in zip(offs, sizes_, strict=True)]
+    )
     assert np.array_equal(path.dst_arr[:total], pattern(SPACE, 21)[:total])
 
 
@@ -146,8 +155,9 @@ async def test_a_completed_put_is_seen_by_the_next_get(path):
 async def test_concurrent_ops_each_land_once(path):
     n, size = (200, 4096) if IN_VM else (2000, 4096)
     before = path.agent.engine.completed
-    await asyncio.gather(*(path.peer.put(path.kv[i * size : (i + 1) * size], path.src[i * size : (i + 1) * size])
-                           for i in range(n)))
+    await asyncio.gather(
+        *(path.peer.put(path.kv[i * size : (i + 1) * size], path.src[i * size : (i + 1) * size]) for i in range(n))
+    )
     assert await path.hash("kv", 0, n * size) == sha(path.src_arr[: n * size])
     assert path.agent.outstanding == 0 and path.agent.engine.unknown_completions == 0
     assert path.agent.engine.completed - before <= n  # small ops may finish inline, none twice

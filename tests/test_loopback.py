@@ -7,9 +7,6 @@ import time
 
 import numpy as np
 import pytest
-import pytest_asyncio
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import aiohixl
 from aiohixl import Access
@@ -19,96 +16,6 @@ from .conftest import random_bytes
 
 SPACE = 72 << 20  # room for 64 MiB ops at random offsets
 MARK = 0xEE
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def big():
-    async with aiohixl.Agent("big") as agent:
-        src_arr = random_bytes(SPACE, seed=1)
-        dst_arr = np.zeros(SPACE, dtype=np.uint8)
-        src = agent.register(src_arr, name="src")
-        dst = agent.register(dst_arr, name="dst")
-        peer = agent.loopback()
-        yield agent, peer, src, src_arr, dst, dst_arr, await peer.region("dst"), await peer.region("src")
-
-
-sizes = st.one_of(
-    st.integers(1, 4096),
-    st.integers(4097, 1 << 20),
-    st.integers((1 << 20) + 1, 64 << 20),
-    st.sampled_from([1, 64 << 10, (64 << 10) + 1, 4 << 20, 64 << 20]),
-)
-
-
-def offsets(size):
-    return st.tuples(st.integers(0, SPACE - size), st.integers(0, SPACE - size))
-
-
-hyp = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-@pytest.mark.asyncio(loop_scope="module")
-@hyp
-@given(data=st.data())
-async def test_put_random_ranges(big, data):
-    agent, peer, src, src_arr, dst, dst_arr, rdst, _ = big
-    n = data.draw(sizes)
-    a, b = data.draw(offsets(n))
-    dst_arr[b : b + n] = MARK
-    await peer.put(rdst[b : b + n], src[a : a + n])
-    assert np.array_equal(dst_arr[b : b + n], src_arr[a : a + n])
-    # the bytes either side of the range are never written
-    if b > 0:
-        before = dst_arr[b - 1]
-        await peer.put(rdst[b : b + n], src[a : a + n])
-        assert dst_arr[b - 1] == before
-
-
-@pytest.mark.asyncio(loop_scope="module")
-@hyp
-@given(data=st.data())
-async def test_get_random_ranges(big, data):
-    agent, peer, src, src_arr, dst, dst_arr, _, rsrc = big
-    n = data.draw(sizes)
-    a, b = data.draw(offsets(n))
-    dst_arr[b : b + n] = MARK
-    guard = dst_arr[b + n] if b + n < SPACE else None
-    await peer.get(dst[b : b + n], rsrc[a : a + n])
-    assert np.array_equal(dst_arr[b : b + n], src_arr[a : a + n])
-    if guard is not None:
-        assert dst_arr[b + n] == guard
-
-
-@pytest.mark.asyncio(loop_scope="module")
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-async def test_put_many_get_many(big, data):
-    agent, peer, src, src_arr, dst, dst_arr, rdst, rsrc = big
-    count = data.draw(st.integers(1, 16))
-    # disjoint destination ranges in blocks of 4 MiB
-    lens = [data.draw(st.integers(1, 4 << 20)) for _ in range(count)]
-    pairs, checks = [], []
-    for i, n in enumerate(lens):
-        b = i * (4 << 20)
-        a = data.draw(st.integers(0, SPACE - n))
-        dst_arr[b : b + n] = MARK
-        pairs.append((rdst[b : b + n], src[a : a + n]))
-        checks.append((a, b, n))
-    await peer.put_many(pairs)
-    for a, b, n in checks:
-        assert np.array_equal(dst_arr[b : b + n], src_arr[a : a + n])
-    # and back: read the written ranges of dst into the tail of dst with get_many
-    base = 64 << 20
-    gets, checks2 = [], []
-    off = base
-    for a, b, n in checks[:2]:
-        n = min(n, (4 << 20) - 1)
-        gets.append((dst[off : off + n], rdst[b : b + n]))
-        checks2.append((a, off, n))
-        off += n
-    await peer.get_many(gets)
-    for a, o, n in checks2:
-        assert np.array_equal(dst_arr[o : o + n], src_arr[a : a + n])
 
 
 async def test_refusals_leave_memory_untouched(agent):
@@ -150,19 +57,26 @@ async def test_wrong_argument_types(agent):
     peer = agent.loopback()
     with pytest.raises(aiohixl.InvalidArgument, match="Peer.put: expected a RemoteRegion"):
         await peer.put(src, src)
-    r = agent.allocate(10, name="x")
+    agent.allocate(10, name="x")
     async with aiohixl.Agent() as other:
         with pytest.raises(aiohixl.InvalidArgument, match="another agent"):
             await peer.put(await peer.region("x"), other.allocate(10))
 
 
 async def test_zero_length_is_a_no_op(agent):
-    src = agent.allocate(10)
-    agent.allocate(10, name="x")
+    src = agent.register(bytearray(b"s" * 10))
+    dst = agent.register(bytearray(b"d" * 10), name="x")
     peer = agent.loopback()
     x = await peer.region("x")
+    before = agent.engine.completed
     await peer.put(x[5:5], src[0:0])
+    await peer.get(src[3:3], x[10:10])
     await peer.put_many([])
+    await peer.get_many([(src[0:0], x[0:0])])
+    assert bytes(dst.memory) == b"d" * 10 and bytes(src.memory) == b"s" * 10
+    assert agent.engine.completed == before and agent.outstanding == 0  # nothing was posted
+    with pytest.raises(aiohixl.OutOfBounds):
+        x[11:11]  # an empty slice past the end is still out of bounds
 
 
 async def test_ten_thousand_concurrent_ops(agent):
@@ -197,36 +111,6 @@ async def test_max_inflight_waits_for_room():
         d = await peer.region("d")
         await asyncio.gather(*(peer.put(d[i * (8 << 20) : (i + 1) * (8 << 20)], src) for i in range(32)))
         assert np.array_equal(dst_arr.reshape(32, -1), np.tile(src.memory, (32, 1)))
-
-
-async def test_cancellation_keeps_memory_alive_and_op_completes(agent):
-    n = 64 << 20
-    src_arr = random_bytes(n, seed=5)
-    src = agent.register(src_arr)
-    dst_arr = np.zeros(n, dtype=np.uint8)
-    dst_region = agent.register(dst_arr, name="d")
-    peer = agent.loopback()
-    d = await peer.region("d")
-    task = asyncio.create_task(peer.put(d, src))
-    await asyncio.sleep(0)  # posted, copying on the pool
-    assert agent.outstanding == 1
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    # the op is still accounted for, and its memory still registered
-    assert agent.outstanding in (0, 1)
-    del src_arr  # the user's reference is gone; the op keeps the buffer alive
-    await dst_region.close()  # waits for the cancelled op's copy to finish
-    assert np.array_equal(dst_arr, random_bytes(n, seed=5))
-    for _ in range(100):  # its completion follows the copy closely
-        if not agent.outstanding:
-            break
-        await asyncio.sleep(0.01)
-    assert agent.outstanding == 0
-    # later ops work
-    agent.register(bytearray(8), name="e")
-    small = agent.register(bytearray(b"12345678"))
-    await peer.put(await peer.region("e"), small)
 
 
 async def test_timeout_raises_and_op_still_completes(agent):
@@ -294,7 +178,7 @@ async def test_use_after_close_names_the_method():
     with pytest.raises(aiohixl.ClosedError, match="Peer.region"):
         await peer.region("r")
     with pytest.raises(aiohixl.ClosedError, match="Region.memory"):
-        region.memory
+        _ = region.memory
     with pytest.raises(aiohixl.ClosedError, match="Agent.start"):
         async with agent:
             pass

@@ -62,7 +62,7 @@ async def test_read_only_buffer(agent):
     peer = agent.loopback()
     await peer.put(await peer.region("dst"), ro)  # reading a read-only local buffer is fine
     assert bytes(dst.memory) == b"abcd" * 1024
-    src = agent.register(bytearray(4096), name="src")
+    agent.register(bytearray(4096), name="src")
     with pytest.raises(aiohixl.AccessDenied, match="Peer.get.*read-only"):
         await peer.get(ro, await peer.region("src"))
 
@@ -141,8 +141,13 @@ def test_descriptor_decoder_never_crashes(data):
 def test_mutated_descriptors_are_refused_or_decoded_consistently(data):
     from aiohixl.descriptor import RegionInfo, encode_info
 
-    desc = bytearray(encode_info(RegionInfo(bytes(range(16)), 7, 4096, 0x7F0000001000, Access.REMOTE_WRITE,
-                                            "memfd", "kv", {1: b"\x01\x02\x03\x04"})))
+    desc = bytearray(
+        encode_info(
+            RegionInfo(
+                bytes(range(16)), 7, 4096, 0x7F0000001000, Access.REMOTE_WRITE, "memfd", "kv", {1: b"\x01\x02\x03\x04"}
+            )
+        )
+    )
     for _ in range(data.draw(st.integers(1, 4))):
         i = data.draw(st.integers(0, len(desc) - 1))
         desc[i] = data.draw(st.integers(0, 255))
@@ -153,3 +158,31 @@ def test_mutated_descriptors_are_refused_or_decoded_consistently(data):
         return
     # whatever decodes re-encodes to the same bytes: nothing was guessed
     assert encode_info(info) in (bytes(desc), bytes(desc[:cut]))
+
+
+class _CudaArray:
+    """What CuPy/Numba device arrays look like to register(): no host buffer at all."""
+
+    __cuda_array_interface__ = {"shape": (4,), "typestr": "|u1", "data": (0x7F0000000000, False), "version": 3}
+
+
+class _DlpackDevice:
+    def __dlpack_device__(self):
+        return (2, 1)  # kDLCUDA, device 1
+
+    def __dlpack__(self, stream=None):
+        raise AssertionError("register() must not ask a device object for its data")
+
+
+@pytest.mark.parametrize(
+    "obj, device", [(_CudaArray(), "cuda \\(__cuda_array_interface__\\)"), (_DlpackDevice(), "cuda:1 \\(DLPack\\)")]
+)
+async def test_device_memory_is_refused_naming_the_device(agent, obj, device):
+    with pytest.raises(aiohixl.UnsupportedMemory, match=f"Agent.register: memory on device {device}"):
+        agent.register(obj)
+
+
+async def test_torch_device_tensor_is_refused_naming_the_device(agent):
+    torch = pytest.importorskip("torch")
+    with pytest.raises(aiohixl.UnsupportedMemory, match="device meta"):
+        agent.register(torch.empty(16, device="meta"))

@@ -2,7 +2,6 @@
 failure of the peer, authentication, and hostile input to the listener."""
 
 import asyncio
-import dataclasses
 import os
 import signal
 import socket
@@ -16,10 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aiohixl
-from aiohixl import Access
 from aiohixl import _control as c
 from aiohixl import _wire as w
-from aiohixl.remote import RemoteRegion
 
 from .harness import TOKEN, Target, pattern, sha
 
@@ -40,79 +37,19 @@ async def pair():
         src = agent.register(src_arr)
         dst_arr = np.zeros(SPACE, dtype=np.uint8)
         dst = agent.register(dst_arr)
-        yield dict(target=target, agent=agent, peer=peer, src=src, src_arr=src_arr, dst=dst, dst_arr=dst_arr,
-                   kv=await peer.region("kv"), rsrc=await peer.region("src"), tsrc=pattern(SPACE, SEED))
+        yield dict(
+            target=target,
+            agent=agent,
+            peer=peer,
+            src=src,
+            src_arr=src_arr,
+            dst=dst,
+            dst_arr=dst_arr,
+            kv=await peer.region("kv"),
+            rsrc=await peer.region("src"),
+            tsrc=pattern(SPACE, SEED),
+        )
     await target.aclose()
-
-
-sizes = st.one_of(
-    st.integers(1, 4096), st.integers(4097, 4 << 20), st.integers(4 << 20, SPACE),
-    st.sampled_from([1, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, 64 << 20, SPACE]),
-)
-hyp = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-@pytest.mark.asyncio(loop_scope="module")
-@hyp
-@given(data=st.data())
-async def test_put_byte_exact(pair, data):
-    n = data.draw(sizes)
-    a = data.draw(st.integers(0, SPACE - n))
-    b = data.draw(st.integers(0, SPACE + 4096 - n))
-    await pair["peer"].put(pair["kv"][b : b + n], pair["src"][a : a + n])
-    assert await pair["target"].hash("kv", b, n) == sha(pair["src_arr"][a : a + n])
-
-
-@pytest.mark.asyncio(loop_scope="module")
-@hyp
-@given(data=st.data())
-async def test_get_byte_exact(pair, data):
-    n = data.draw(sizes)
-    a = data.draw(st.integers(0, SPACE - n))
-    b = data.draw(st.integers(0, SPACE - n))
-    dst_arr = pair["dst_arr"]
-    dst_arr[b : b + n] = 0xEE
-    guard = dst_arr[b + n] if b + n < SPACE else None
-    await pair["peer"].get(pair["dst"][b : b + n], pair["rsrc"][a : a + n])
-    assert np.array_equal(dst_arr[b : b + n], pair["tsrc"][a : a + n])
-    if guard is not None:
-        assert dst_arr[b + n] == guard
-
-
-@pytest.mark.asyncio(loop_scope="module")
-async def test_put_many_get_many(pair):
-    peer, kv, src, src_arr = pair["peer"], pair["kv"], pair["src"], pair["src_arr"]
-    rng = np.random.default_rng(3)
-    pairs, checks = [], []
-    for i in range(20):
-        n = int(rng.integers(1, 3 << 20))
-        a = int(rng.integers(0, SPACE - n))
-        b = i * (4 << 20)
-        pairs.append((kv[b : b + n], src[a : a + n]))
-        checks.append((a, b, n))
-    await peer.put_many(pairs)
-    for a, b, n in checks:
-        assert await pair["target"].hash("kv", b, n) == sha(src_arr[a : a + n])
-    dst, dst_arr = pair["dst"], pair["dst_arr"]
-    gets = [(dst[b : b + n], kv[b : b + n]) for a, b, n in checks]
-    await peer.get_many(gets)
-    for a, b, n in checks:
-        assert np.array_equal(dst_arr[b : b + n], src_arr[a : a + n])
-
-
-@pytest.mark.asyncio(loop_scope="module")
-async def test_thousand_concurrent_ops(pair):
-    peer, kv, src, src_arr, agent = pair["peer"], pair["kv"], pair["src"], pair["src_arr"], pair["agent"]
-    size = 8192
-    before = agent.engine.completed
-    puts = [peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(1000)]
-    gets = [peer.get(pair["dst"][i * size : (i + 1) * size], pair["rsrc"][i * size : (i + 1) * size])
-            for i in range(1000)]
-    assert await asyncio.gather(*puts, *gets) == [None] * 2000
-    assert agent.engine.completed - before == 2000 and agent.outstanding == 0
-    assert agent.engine.unknown_completions == 0
-    assert await pair["target"].hash("kv", 0, 1000 * size) == sha(src_arr[: 1000 * size])
-    assert np.array_equal(pair["dst_arr"][: 1000 * size], pair["tsrc"][: 1000 * size])
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -123,45 +60,17 @@ async def test_both_directions_at_once(pair):
         inbox_arr = np.zeros(size * count, dtype=np.uint8)
         me.register(inbox_arr, name="inbox")
         pump = asyncio.create_task(
-            pair["target"].cmd(op="pump", address=me.address, name="inbox", size=size, count=count, seed=99,
-                                 transports=["tcp"])
+            pair["target"].cmd(
+                op="pump", address=me.address, name="inbox", size=size, count=count, seed=99, transports=["tcp"]
+            )
         )
         for _ in range(4):
-            await asyncio.gather(*(peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size])
-                                   for i in range(count)))
+            await asyncio.gather(
+                *(peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count))
+            )
         await pump
         assert np.array_equal(inbox_arr, pattern(size * count, 99))
     assert await pair["target"].hash("kv", 0, size * count) == sha(src_arr[: size * count])
-
-
-@pytest.mark.asyncio(loop_scope="module")
-async def test_refusals_by_the_target_leave_memory_untouched(pair):
-    target, peer, src = pair["target"], pair["peer"], pair["src"]
-    await target.alloc("ro", 1 << 20, access=int(Access.REMOTE_READ), seed=5)
-    await target.alloc("small", 4096, seed=6)
-    ro = await peer.region("ro")
-    small = await peer.region("small")
-    before = (await target.hash("ro", 0, 1 << 20), await target.hash("small", 0, 4096))
-    with pytest.raises(aiohixl.AccessDenied, match="REMOTE_WRITE"):
-        await peer.put(ro[:10], src[:10])  # refused by the initiator, from the descriptor
-    lying = RemoteRegion(dataclasses.replace(ro.info, access=Access.REMOTE_READ | Access.REMOTE_WRITE))
-    with pytest.raises(aiohixl.AccessDenied, match="Peer.put"):
-        await peer.put(lying, src[: 1 << 20])  # refused by the target's registry
-    longer = RemoteRegion(dataclasses.replace(small.info, nbytes=8 << 20))
-    with pytest.raises(aiohixl.OutOfBounds, match="Peer.put"):
-        await peer.put(longer, src[: 8 << 20])
-    with pytest.raises(aiohixl.OutOfBounds):
-        await peer.get(pair["dst"][: 8192], longer[:8192])
-    ghost = RemoteRegion(dataclasses.replace(small.info, region_id=99999))
-    with pytest.raises(aiohixl.RegionUnavailable):
-        await peer.put(ghost, src[:4096])
-    # a refused piece fails the op; the target's memory is checked unchanged
-    with pytest.raises(aiohixl.OutOfBounds):
-        await peer.put_many([(longer[4096 : 8 << 20], src[: (8 << 20) - 4096])])
-    assert (await target.hash("ro", 0, 1 << 20), await target.hash("small", 0, 4096)) == before
-    # and the connection still works
-    await peer.put(small, src[:4096])
-    assert await target.hash("small", 0, 4096) == sha(pair["src_arr"][:4096])
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -229,10 +138,25 @@ async def _raw_send(port: int, data: bytes) -> None:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def victim():
+    """A target under fuzzing, and a peer connected to it before any of it."""
     target = await Target.start()
     await target.alloc("kv", 1 << 20, seed=4)
-    yield target
+    async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
+        peer = await agent.connect(target.address)
+        target.peer, target.kv = peer, await peer.region("kv")
+        target.probe = agent.register(bytearray(8))
+        target.count = 0
+        yield target
     await target.aclose()
+
+
+async def _still_serving(victim) -> None:
+    """The fuzzed listener still answers lookups and places puts of a connection made before."""
+    victim.count += 1
+    victim.probe.memory[:] = victim.count.to_bytes(8, "little")
+    assert (await victim.peer.region("kv")).nbytes == 1 << 20
+    await victim.peer.put(victim.kv[:8], victim.probe)
+    assert await victim.hash("kv", 0, 8) == sha(np.frombuffer(victim.probe.memory, dtype=np.uint8))
 
 
 hello = w.Writer().raw(w.MAGIC).u16(1).u16(1).u8(0).raw(bytes(32)).frame(w.HELLO)
@@ -249,6 +173,7 @@ frames = st.one_of(
 @given(data=frames)
 async def test_fuzzed_unauthenticated_bytes(victim, data):
     await _raw_send(victim.port, data)
+    await _still_serving(victim)
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -270,11 +195,11 @@ async def test_fuzzed_frames_on_an_authenticated_data_connection(victim, data):
                 pass
         await data_ch.aclose()
         await ch.aclose()
+    await _still_serving(victim)
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_listener_survived_the_fuzzing(victim):
-    assert await victim.hash("kv", 0, 1 << 20) == sha(pattern(1 << 20, 4))
+async def test_listener_takes_new_connections_after_the_fuzzing(victim):
     async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
         peer = await agent.connect(victim.address)
         src = agent.register(pattern(1 << 20, 8))
@@ -296,41 +221,6 @@ async def test_handshake_that_stalls_is_dropped(victim=None):
         s.close()
     finally:
         await target.aclose()
-
-
-async def test_kill_target_mid_transfer_then_reconnect():
-    target = await Target.start()
-    port = target.port
-    await target.alloc("kv", 64 << 20)
-    async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
-        peer = await agent.connect(target.address)
-        kv = await peer.region("kv")
-        src = agent.register(pattern(64 << 20, 2))
-        started = time.monotonic()
-        tasks = [asyncio.create_task(peer.put(kv, src)) for _ in range(40)]
-        await asyncio.sleep(0.05)
-        target.kill()
-        killed = time.monotonic()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        elapsed = time.monotonic() - killed
-        lost = [r for r in results if isinstance(r, aiohixl.ConnectionLost)]
-        assert all(r is None or isinstance(r, aiohixl.ConnectionLost) for r in results), results
-        assert lost, f"40 puts of 64 MiB cannot all finish in 50 ms ({elapsed:.3f} s, {killed - started:.3f} s)"
-        assert elapsed < 1.0, f"outstanding ops took {elapsed:.2f} s to fail"
-        assert agent.outstanding == 0
-        with pytest.raises(aiohixl.ConnectionLost, match="Peer.put"):
-            await peer.put(kv, src)
-        await target.proc.wait()
-
-        # a new target on the same port: connecting again works
-        target2 = await Target.start(listen=f"127.0.0.1:{port}")
-        try:
-            await target2.alloc("kv", 64 << 20)
-            peer2 = await agent.connect(target2.address)
-            await peer2.put(await peer2.region("kv"), src)
-            assert await target2.hash("kv", 0, 64 << 20) == sha(pattern(64 << 20, 2))
-        finally:
-            await target2.aclose()
 
 
 async def test_heartbeat_detects_a_silent_peer():
@@ -362,28 +252,6 @@ async def _stopped(pid: int) -> None:
                 return
         await asyncio.sleep(0.01)
     raise AssertionError("the target did not stop")
-
-
-async def test_closing_the_initiator_with_ops_in_flight():
-    target = await Target.start()
-    try:
-        await target.alloc("kv", 64 << 20)
-        agent = aiohixl.Agent(token=TOKEN, transports=TCP)
-        await agent.start()
-        peer = await agent.connect(target.address)
-        kv = await peer.region("kv")
-        src = agent.register(pattern(64 << 20, 2))
-        tasks = [asyncio.create_task(peer.put(kv, src)) for _ in range(20)]
-        await asyncio.sleep(0.02)
-        await agent.aclose()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        assert all(r is None or isinstance(r, aiohixl.ClosedError) for r in results), results
-        # the target is unharmed and serves a new peer
-        async with aiohixl.Agent(token=TOKEN, transports=TCP) as again:
-            p = await again.connect(target.address)
-            await p.put((await p.region("kv"))[:4096], again.register(bytearray(4096)))
-    finally:
-        await target.aclose()
 
 
 async def test_a_put_stalled_mid_payload_cannot_hold_a_region_forever():

@@ -20,7 +20,7 @@ def test_put_get_many_on_trio():
             src_arr = random_bytes(8 << 20, seed=11)
             src = agent.register(src_arr)
             dst_arr = np.zeros(8 << 20, dtype=np.uint8)
-            dst = agent.register(dst_arr, name="d")
+            agent.register(dst_arr, name="d")
             peer = agent.loopback()
             d = await peer.region("d")
             await peer.put(d[:4096], src[:4096])  # inline
@@ -102,7 +102,7 @@ def test_two_process_put_get_on_trio(transports):
                 await peer.put(kv, src)
                 assert await target.hash("kv", 0, 8 << 20) == sha(pattern(8 << 20, 31))
                 back = agent.register(np.zeros(8 << 20, dtype=np.uint8))
-                await peer.get_many([(back[:1 << 20], kv[:1 << 20]), (back[1 << 20 :], kv[1 << 20 :])])
+                await peer.get_many([(back[: 1 << 20], kv[: 1 << 20]), (back[1 << 20 :], kv[1 << 20 :])])
                 assert np.array_equal(back.memory, pattern(8 << 20, 31))
                 async with trio.open_nursery() as nursery:
                     for i in range(100):

@@ -19,7 +19,6 @@ from typing import Any
 import anyio
 
 from .. import _control as c
-from .. import _wire as w
 from .._control import Identity, PeerInfo
 from .._native import ffi, lib
 from ..descriptor import RegionInfo
@@ -31,6 +30,7 @@ from .base import AgentView, ControlView, Dial, Link, ListenerView, Transport
 # answer status u8 + size u64 (+ the fd when status is FD_OK).
 _FD_REQUEST = struct.Struct("<I16s")
 _FD_ANSWER = struct.Struct("<BQ")
+FD_OK, FD_UNKNOWN, FD_ACCESS, FD_REFUSED = 0, 1, 2, 3
 
 
 class ShmLink(Link):
@@ -74,7 +74,7 @@ class ShmLink(Link):
                 msg, fds = await self._uds.receive_fds(_FD_ANSWER.size, 1)
             except (*c.STREAM_ERRORS, ValueError):
                 return None
-        if len(msg) != _FD_ANSWER.size or _FD_ANSWER.unpack(msg)[0] != w.FD_OK or len(fds) != 1:
+        if len(msg) != _FD_ANSWER.size or _FD_ANSWER.unpack(msg)[0] != FD_OK or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
             return None
@@ -144,20 +144,20 @@ class ShmTransport(Transport):
                 region_id, sid = _FD_REQUEST.unpack(request)
                 session = listener.session(sid)
                 if session is None or session.info.pid != pid or uid != os.getuid():
-                    await stream.send(_FD_ANSWER.pack(w.FD_REFUSED, 0))
+                    await stream.send(_FD_ANSWER.pack(FD_REFUSED, 0))
                     return
                 region = self.agent.live_region(region_id)
                 if region is None or region.pinned.fd is None:
-                    await stream.send(_FD_ANSWER.pack(w.FD_UNKNOWN, 0))
+                    await stream.send(_FD_ANSWER.pack(FD_UNKNOWN, 0))
                     continue
                 if not region.access:
-                    await stream.send(_FD_ANSWER.pack(w.FD_ACCESS, 0))
+                    await stream.send(_FD_ANSWER.pack(FD_ACCESS, 0))
                     continue
                 # A peer without REMOTE_WRITE gets a read-only fd: it cannot map it writable.
                 flags = os.O_RDWR if region.access & Access.REMOTE_WRITE else os.O_RDONLY
                 fd = os.open(f"/proc/self/fd/{region.pinned.fd}", flags | os.O_CLOEXEC)
                 try:
-                    await stream.send_fds(_FD_ANSWER.pack(w.FD_OK, region.nbytes), [fd])
+                    await stream.send_fds(_FD_ANSWER.pack(FD_OK, region.nbytes), [fd])
                 finally:
                     os.close(fd)
         except (HixlError, *c.STREAM_ERRORS, struct.error):

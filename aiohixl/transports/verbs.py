@@ -31,6 +31,15 @@ KEY_RKEY = 1  # descriptor key: the verbs rkey of the region (u32 little endian)
 _CHAIN = 128  # pairs per work-request chain; the send queue holds 512 WRs
 
 
+def qp_info(wr: w.Writer, qpn: int, psn: int, gid: bytes, lid: int, mtu: int) -> w.Writer:
+    """The queue pair facts two sides trade to connect RC QPs (frames VERBS_QP, VERBS_QP_OK)."""
+    return wr.u32(qpn).u32(psn).raw(gid).u16(lid).u8(mtu)
+
+
+def read_qp_info(r: w.Reader) -> tuple[int, int, bytes, int, int]:
+    return r.u32(), r.u32(), r.raw(16), r.u16(), r.u8()
+
+
 def _error() -> str:
     return str(ffi.string(lib.hx_verbs_error()).decode(errors="replace"))
 
@@ -155,7 +164,7 @@ class VerbsTransport(Transport):
 
     def session_handlers(self, session: SessionView) -> dict[int, Handler]:
         async def on_qp(r: w.Reader) -> None:
-            qpn, psn, gid, lid, mtu = w.read_qp_info(r)
+            qpn, psn, gid, lid, mtu = read_qp_info(r)
             r.end()
             reply = w.Writer()
             native = self.agent.engine.native
@@ -168,7 +177,7 @@ class VerbsTransport(Transport):
                 c.log.warning("aiohixl %s: no queue pair for %s: %s", self.agent.name, session.label, _error())
                 await session.send(reply.u8(1).frame(w.VERBS_QP_OK))
                 return
-            w.qp_info(reply.u8(0), lqpn[0], lpsn[0], *self._local())
+            qp_info(reply.u8(0), lqpn[0], lpsn[0], *self._local())
             await session.send(reply.frame(w.VERBS_QP_OK))
 
         return {w.VERBS_QP: on_qp}
@@ -195,7 +204,7 @@ class VerbsTransport(Transport):
             return None
         link = VerbsLink(handle)
         try:
-            await ch.send(w.qp_info(w.Writer(), qpn[0], psn[0], *self._local()).frame(w.VERBS_QP))
+            await ch.send(qp_info(w.Writer(), qpn[0], psn[0], *self._local()).frame(w.VERBS_QP))
             while True:  # the target's session may ping meanwhile
                 ftype, r = await ch.recv(w.MAX_FRAME)
                 if ftype == w.PING:
@@ -208,7 +217,7 @@ class VerbsTransport(Transport):
                 c.log.warning("aiohixl %s: the peer could not make a queue pair; not using verbs", what)
                 link.free()
                 return None
-            rqpn, rpsn, rgid, rlid, rmtu = w.read_qp_info(r)
+            rqpn, rpsn, rgid, rlid, rmtu = read_qp_info(r)
             r.end()
         except BaseException:
             link.free()

@@ -48,9 +48,17 @@ async def pair():
         peer = await a.connect(target.address)
         src_arr = pattern(SPACE, 9)
         dst_arr = np.zeros(SPACE, dtype=np.uint8)
-        yield dict(target=target, agent=a, peer=peer, src=a.register(src_arr), src_arr=src_arr,
-                   dst=a.register(dst_arr), dst_arr=dst_arr,
-                   kv=await peer.region("kv"), rsrc=await peer.region("src"))
+        yield dict(
+            target=target,
+            agent=a,
+            peer=peer,
+            src=a.register(src_arr),
+            src_arr=src_arr,
+            dst=a.register(dst_arr),
+            dst_arr=dst_arr,
+            kv=await peer.region("kv"),
+            rsrc=await peer.region("src"),
+        )
     await target.aclose()
 
 
@@ -125,8 +133,9 @@ async def test_thousand_concurrent_ops(pair):
     size = 2048
     before = a.engine.completed
     puts = [peer.put(pair["kv"][i * size : (i + 1) * size], pair["src"][i * size : (i + 1) * size]) for i in range(500)]
-    gets = [peer.get(pair["dst"][i * size : (i + 1) * size], pair["rsrc"][i * size : (i + 1) * size])
-            for i in range(500)]
+    gets = [
+        peer.get(pair["dst"][i * size : (i + 1) * size], pair["rsrc"][i * size : (i + 1) * size]) for i in range(500)
+    ]
     assert await asyncio.gather(*puts, *gets) == [None] * 1000
     assert a.engine.completed - before == 1000 and a.outstanding == 0 and a.engine.unknown_completions == 0
     assert await pair["target"].hash("kv", 0, 500 * size) == sha(pair["src_arr"][: 500 * size])
