@@ -151,14 +151,6 @@ int hx_region_remove(hx_agent *a, uint32_t id, int wait)
     return hx_reg_remove(&a->regs, id, wait, NULL, NULL);
 }
 
-int hx_region_check(hx_agent *a, uint32_t id, uint64_t off, uint64_t len, uint32_t need)
-{
-    pthread_mutex_lock(&a->regs.lock);
-    int rc = check_locked(hx_reg_find_locked(&a->regs, id), off, len, need);
-    pthread_mutex_unlock(&a->regs.lock);
-    return rc;
-}
-
 int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len,
                       uint32_t need, uint8_t **ptr, hx_region **out)
 {
@@ -167,8 +159,8 @@ int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len,
 
 /* ---------- completion ring ---------- */
 
-/* Pushes one entry; with must_fit false a full ring drops it (and says so). */
-static bool ring_push(hx_agent *a, uint64_t op_id, int status, uint32_t reserved, bool must_fit)
+/* Pushes one entry; with must_fit false a full ring drops it. */
+static void ring_push(hx_agent *a, uint64_t op_id, int status, uint32_t reserved, bool must_fit)
 {
     pthread_mutex_lock(&a->ring_lock);
     /* Never drop a completion: the Python side admits at most ring_cap ops,
@@ -176,7 +168,7 @@ static bool ring_push(hx_agent *a, uint64_t op_id, int status, uint32_t reserved
     while (a->ring_count == a->ring_cap) {
         if (!must_fit) {
             pthread_mutex_unlock(&a->ring_lock);
-            return false;
+            return;
         }
         pthread_cond_wait(&a->ring_space, &a->ring_lock);
     }
@@ -192,7 +184,6 @@ static bool ring_push(hx_agent *a, uint64_t op_id, int status, uint32_t reserved
         ssize_t n = write(a->wake_fd, &one, sizeof one);
         (void)n;
     }
-    return true;
 }
 
 void hx_complete(hx_agent *a, uint64_t op_id, int status)
@@ -203,20 +194,8 @@ void hx_complete(hx_agent *a, uint64_t op_id, int status)
 void hx_notify(hx_agent *a, uint32_t imm, uint32_t len)
 {
     /* Notifications are not admitted like ops: when the ring is full one is
-     * dropped and counted rather than blocking the completion thread. */
-    if (!ring_push(a, HX_NOTIFY_FLAG | imm, HX_OK, len, false)) {
-        pthread_mutex_lock(&a->ring_lock);
-        a->notify_dropped++;
-        pthread_mutex_unlock(&a->ring_lock);
-    }
-}
-
-uint64_t hx_agent_notify_dropped(hx_agent *a)
-{
-    pthread_mutex_lock(&a->ring_lock);
-    uint64_t n = a->notify_dropped;
-    pthread_mutex_unlock(&a->ring_lock);
-    return n;
+     * dropped rather than blocking the completion thread. */
+    ring_push(a, HX_NOTIFY_FLAG | imm, HX_OK, len, false);
 }
 
 int hx_agent_drain(hx_agent *a, hx_completion *out, int max)

@@ -67,8 +67,6 @@ int hx_region_add(hx_agent *a, uint32_t id, uint64_t addr, uint64_t len, uint32_
  * accesses in progress end, else returns HX_E_BUSY while any is in progress
  * (the region stays withdrawn either way). */
 int hx_region_remove(hx_agent *a, uint32_t id, int wait);
-/* May a remote op touch [off, off+len) of region id with this right? */
-int hx_region_check(hx_agent *a, uint32_t id, uint64_t off, uint64_t len, uint32_t access);
 
 hx_peer *hx_loopback_new(hx_agent *a, int *status);
 int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n);
@@ -116,7 +114,6 @@ int hx_verbs_accept(hx_agent *a, uint64_t session, uint32_t qpn, uint32_t psn, c
                     uint16_t lid, int mtu, uint32_t *lqpn, uint32_t *lpsn);
 void hx_verbs_drop_session(hx_agent *a, uint64_t session);
 int hx_verbs_post_imm(hx_peer *p, uint64_t op_id, const hx_sge *sges, uint32_t n, uint32_t imm);
-uint64_t hx_agent_notify_dropped(hx_agent *a);
 
 /* Touches every page so later copies do not pay page faults. */
 void hx_prefault(void *addr, uint64_t len, int write);

@@ -84,7 +84,6 @@ struct hx_agent {
     uint32_t ring_cap, ring_head, ring_count;
     bool signaled;
     int wake_fd;
-    uint64_t notify_dropped;
 
     /* copy pool */
     pthread_mutex_t pool_lock;
@@ -117,7 +116,7 @@ int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len,
                       uint32_t need, uint8_t **ptr, hx_region **out);
 void hx_region_release(hx_region *r);
 void hx_complete(hx_agent *a, uint64_t op_id, int status);
-/* A WRITE WITH IMM arrived: a completion with op_id HX_NOTIFY_BIT | imm. */
+/* A WRITE WITH IMM arrived: a completion with op_id HX_NOTIFY_FLAG | imm. */
 void hx_notify(hx_agent *a, uint32_t imm, uint32_t len);
 void hx_verbs_shutdown(hx_agent *a);
 void hx_verbs_free(hx_agent *a);

@@ -111,7 +111,6 @@ typedef struct vqp {
     uint32_t ops_inflight;
     vop *pending_head, *pending_tail; /* waiting for room in the send queue */
     bool broken;
-    bool destroyed;
     uint32_t lpsn; /* our starting PSN, told to the other side */
 } vqp;
 
@@ -318,14 +317,13 @@ static uint32_t random_psn(void)
     return (uint32_t)(ts.tv_nsec ^ (ts.tv_sec << 7) ^ getpid()) & 0xffffff;
 }
 
-static int post_recvs(hx_verbs *v, vqp *q, int n)
+static int post_recvs(vqp *q, int n)
 {
     for (int i = 0; i < n; i++) {
         struct ibv_recv_wr wr = {.wr_id = 0, .sg_list = NULL, .num_sge = 0}, *bad;
         if (ibv_post_recv(q->qp, &wr, &bad))
             return -1;
     }
-    (void)v;
     return 0;
 }
 
@@ -388,7 +386,7 @@ int hx_verbs_accept(hx_agent *a, uint64_t session, uint32_t qpn, uint32_t psn, c
     *lqpn = q->qp->qp_num;
     *lpsn = random_psn();
     int rc = connect_qp(v, q->qp, qpn, psn, *lpsn, gid, lid, mtu);
-    if (rc == HX_OK && post_recvs(v, q, RQ_DEPTH) < 0) {
+    if (rc == HX_OK && post_recvs(q, RQ_DEPTH) < 0) {
         FAIL("ibv_post_recv failed");
         rc = HX_E_SYS;
     }
@@ -626,7 +624,7 @@ static const hx_peer_ops verbs_ops = {verbs_post, verbs_fail, verbs_destroy};
 static vqp *find_qp(hx_verbs *v, uint32_t qp_num)
 {
     for (vqp *q = v->qps; q; q = q->next_all)
-        if (!q->destroyed && q->qp->qp_num == qp_num)
+        if (q->qp->qp_num == qp_num)
             return q;
     return NULL;
 }
@@ -686,7 +684,7 @@ static void on_recv_wc(hx_agent *a, hx_verbs *v, struct ibv_wc *wc)
     pthread_mutex_lock(&v->lock);
     vqp *q = find_qp(v, wc->qp_num);
     if (q && !q->broken)
-        post_recvs(v, q, 1);
+        post_recvs(q, 1);
     pthread_mutex_unlock(&v->lock);
 }
 
@@ -720,14 +718,10 @@ static void *completion_main(void *arg)
     while (!atomic_load(&v->stop)) {
         /* A short spin catches the next completion of a burst without a wake-up. */
         uint64_t until = now_ns() + SPIN_NS;
-        bool got = false;
         do {
-            if (poll_some(a, v)) {
-                got = true;
+            if (poll_some(a, v))
                 until = now_ns() + SPIN_NS;
-            }
         } while (now_ns() < until && !atomic_load(&v->stop));
-        (void)got;
         ibv_req_notify_cq(v->cq, 0);
         if (poll_some(a, v))
             continue; /* arrived between the last poll and the arming */
