@@ -41,13 +41,19 @@ typedef struct {
     uint32_t reserved;
 } hx_completion;
 
-/* One contiguous piece of an op: local region + offset <-> remote region + offset. */
+/* One contiguous piece of an op: local region + offset <-> remote region + offset.
+ * loopback, shm and tcp address the remote end with remote_region and
+ * remote_off. verbs uses rkey and raddr instead, both set by the initiator:
+ * the remote region's rkey and the remote virtual address of this piece (the
+ * remote NIC checks both). */
 typedef struct {
     uint32_t local_region;
     uint32_t remote_region;
     uint64_t local_off;
     uint64_t remote_off;
     uint64_t len;
+    uint32_t rkey;
+    uint64_t raddr;
 } hx_sge;
 
 hx_agent *hx_agent_new(uint32_t ring_capacity, uint32_t copy_threads, int *status);
@@ -100,9 +106,9 @@ int hx_cma_probe(int pid, uint64_t addr, uint8_t *out, uint32_t len);
 /* verbs transport (libibverbs loaded at run time). open: device by name ("" for
  * the first), port, GID index, QP ack timeout exponent and retry count; on
  * failure hx_verbs_error() says why. reg: registers region's memory, gives
- * the rkey. For verbs posts, an sge's remote_region is the rkey and its
- * remote_off the remote virtual address. peer_new/peer_connect: the
- * initiator's QP; accept: the target's QP for a session. */
+ * the rkey. Posts address the remote end with an sge's rkey and raddr.
+ * peer_new/peer_connect: the initiator's QP; accept: the target's QP for a
+ * session. */
 int hx_verbs_open(hx_agent *a, const char *dev, int port, int gid_index, int timeout, int retry_cnt);
 const char *hx_verbs_error(void);
 int hx_verbs_built(void); /* 1 when compiled with rdma-core's headers */

@@ -516,10 +516,9 @@ static int verbs_build(vqp *q, int opcode, uint64_t op_id, const hx_sge *sges, u
             wrs[w].sg_list = &sgl[w];
             wrs[w].num_sge = 1;
             wrs[w].opcode = opcode == HX_OP_PUT ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
-            /* For verbs, remote_off is the remote virtual address and
-             * remote_region the rkey: the remote NIC checks both. */
-            wrs[w].wr.rdma.remote_addr = sges[i].remote_off + off;
-            wrs[w].wr.rdma.rkey = sges[i].remote_region;
+            /* The remote NIC checks the rkey and the address range. */
+            wrs[w].wr.rdma.remote_addr = sges[i].raddr + off;
+            wrs[w].wr.rdma.rkey = sges[i].rkey;
             wrs[w].next = w + 1 < nwr ? &wrs[w + 1] : NULL;
         }
     }

@@ -398,8 +398,10 @@ class Peer:
                 rr = rs.region
                 sge = sges[i]
                 sge.local_region = ls.region.id
-                sge.remote_region = rr._rkey  # for verbs: the rkey the remote NIC checks
-                sge.remote_off = rr.info.address + rs.offset  # and the remote virtual address
+                sge.remote_region = rr._id
+                sge.remote_off = rs.offset
+                sge.rkey = rr._rkey  # what the remote NIC checks: the rkey
+                sge.raddr = rr.info.address + rs.offset  # and the remote virtual address
                 sge.local_off = ls.offset
                 sge.len = rs.nbytes
             keep = tuple(ls.region for _, ls in chunk)
