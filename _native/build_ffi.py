@@ -9,7 +9,7 @@ import re
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ["core.c", "copy.c", "loopback.c", "shm.c", "tcp.c", "verbs.c"]
+SOURCES = ["core.c", "transports.c", "copy.c", "loopback.c", "shm.c", "tcp.c", "verbs.c"]
 # With rdma-core's headers the verbs transport is compiled in; libibverbs
 # itself is only dlopen()ed when an agent opens a device.
 HAVE_VERBS = os.path.exists("/usr/include/infiniband/verbs.h") and os.environ.get("AIOHIXL_NO_VERBS") != "1"

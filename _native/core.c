@@ -223,11 +223,6 @@ int hx_agent_drain(hx_agent *a, hx_completion *out, int max)
     return taken;
 }
 
-void hx_agent_set_stall(hx_agent *a, uint64_t ns)
-{
-    a->stall_ns = ns;
-}
-
 int hx_agent_wake_fd(hx_agent *a)
 {
     return a->wake_fd;
@@ -357,9 +352,15 @@ hx_agent *hx_agent_new(uint32_t ring_capacity, uint32_t copy_threads, int *statu
     pthread_cond_init(&a->ring_space, NULL);
     pthread_mutex_init(&a->pool_lock, NULL);
     pthread_cond_init(&a->pool_work, NULL);
-    pthread_mutex_init(&a->io_lock, NULL);
-    a->stall_ns = 10ull * 1000000000ull;
     atomic_init(&a->next_peer_id, 1);
+    for (int t = 0; t < HX_NTRANSPORTS; t++) {
+        int rc = hx_transports[t]->init ? hx_transports[t]->init(a) : HX_OK;
+        if (rc != HX_OK) {
+            *status = rc;
+            hx_agent_free(a);
+            return NULL;
+        }
+    }
     for (uint32_t i = 0; i < copy_threads; i++) {
         if (pthread_create(&a->threads[i], NULL, pool_main, a) != 0) {
             *status = HX_E_SYS;
@@ -381,10 +382,11 @@ fail:
 
 void hx_agent_shutdown(hx_agent *a)
 {
-    /* The I/O and completion threads first: their ops release their
-     * regions as they fail. */
-    hx_io_shutdown(a);
-    hx_verbs_shutdown(a);
+    /* The transports' threads first: their ops release their regions as
+     * they fail. */
+    for (int t = 0; t < HX_NTRANSPORTS; t++)
+        if (hx_transports[t]->shutdown)
+            hx_transports[t]->shutdown(a);
     pthread_mutex_lock(&a->pool_lock);
     bool already = a->closing;
     a->closing = true;
@@ -402,9 +404,10 @@ void hx_agent_free(hx_agent *a)
     if (!a)
         return;
     hx_agent_shutdown(a);
-    hx_io_free(a);
-    hx_reg_destroy(&a->regs); /* deregisters MRs: the PD is still there */
-    hx_verbs_free(a);
+    hx_reg_destroy(&a->regs); /* deregisters MRs: the transports are still there */
+    for (int t = 0; t < HX_NTRANSPORTS; t++)
+        if (hx_transports[t]->free)
+            hx_transports[t]->free(a);
     close(a->wake_fd);
     free(a->ring);
     free(a->threads);

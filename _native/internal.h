@@ -74,6 +74,37 @@ struct hx_peer {
     atomic_int failed; /* first failure status, 0 while healthy */
 };
 
+/* A transport's part in the agent's lifetime. The agent never names a
+ * transport: it walks hx_transports[] (transports.c), and each transport
+ * keeps whatever it needs per agent in a->state[its HX_TRANSPORT_* slot],
+ * which only that transport's own files read. Any hook may be NULL.
+ *
+ * init      from hx_agent_new, in table order. On failure the agent is freed
+ *           as below, so shutdown and free must cope with a slot never set.
+ * shutdown  from hx_agent_shutdown, in table order, before the copy pool
+ *           stops: the transport's own threads (tcp's I/O thread, verbs'
+ *           completion thread) stop and fail their ops, which release their
+ *           regions as they fail. May run twice, and on an agent whose
+ *           transport was never opened.
+ * free      from hx_agent_free, in table order, after every shutdown and after
+ *           the agent's registry is destroyed: hx_reg_destroy drops each
+ *           region's MR through regs.release (verbs: ibv_dereg_mr) while the
+ *           transport's state (verbs: the protection domain) still exists;
+ *           only then does free tear that state down.
+ */
+typedef struct hx_transport {
+    const char *name;
+    int (*init)(hx_agent *a);
+    void (*shutdown)(hx_agent *a);
+    void (*free)(hx_agent *a);
+} hx_transport;
+
+/* The slots of a->state and the order of hx_transports[]. */
+enum { HX_TRANSPORT_LOOPBACK, HX_TRANSPORT_SHM, HX_TRANSPORT_TCP, HX_TRANSPORT_VERBS, HX_NTRANSPORTS };
+
+extern const hx_transport hx_loopback_transport, hx_shm_transport, hx_tcp_transport, hx_verbs_transport;
+extern const hx_transport *const hx_transports[HX_NTRANSPORTS];
+
 struct hx_agent {
     hx_registry regs;
 
@@ -94,12 +125,8 @@ struct hx_agent {
     bool closing;
     atomic_uint_fast64_t next_peer_id;
 
-    /* tcp I/O thread, started with the first tcp connection */
-    pthread_mutex_t io_lock;
-    struct hx_io *io;
-    uint64_t stall_ns; /* tcp: a PUT payload silent this long ends its connection */
-
-    void *verbs; /* verbs.c: device, PD, CQ and QPs once opened */
+    /* per-transport state, opaque here: see hx_transport */
+    void *state[HX_NTRANSPORTS];
 };
 
 /* core.c: registries */
@@ -118,8 +145,6 @@ void hx_region_release(hx_region *r);
 void hx_complete(hx_agent *a, uint64_t op_id, int status);
 /* A WRITE WITH IMM arrived: a completion with op_id HX_NOTIFY_FLAG | imm. */
 void hx_notify(hx_agent *a, uint32_t imm, uint32_t len);
-void hx_verbs_shutdown(hx_agent *a);
-void hx_verbs_free(hx_agent *a);
 /* Queues a job's copies on the pool; the pool completes the job. */
 void hx_pool_submit(hx_agent *a, hx_task *first, hx_task *last);
 /* Runs one task on the calling thread, as a pool thread would. */
@@ -133,10 +158,6 @@ int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t 
 int hx_copy_run(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len);
 void hx_job_release(hx_agent *a, hx_job *job);
 void hx_peer_init(hx_peer *p, hx_agent *a, const hx_peer_ops *ops);
-/* tcp.c: stops the I/O thread, failing every tcp op with HX_E_CLOSED. */
-void hx_io_shutdown(hx_agent *a);
-/* tcp.c: frees what the stopped I/O thread left (connections Python never freed). */
-void hx_io_free(hx_agent *a);
 
 /* Copies at or under this size run on the caller's thread: waking another
  * core (30-40 us each way) costs more than the copy. Cross-memory attach is

@@ -19,6 +19,9 @@ static void lb_destroy(hx_peer *p)
 
 static const hx_peer_ops loopback_ops = {lb_post, lb_fail, lb_destroy};
 
+/* No state of its own: its copies run on the agent's pool. */
+const hx_transport hx_loopback_transport = {.name = "loopback"};
+
 hx_peer *hx_loopback_new(hx_agent *a, int *status)
 {
     hx_peer *p = calloc(1, sizeof *p);

@@ -58,6 +58,9 @@ static void shm_destroy(hx_peer *p)
 
 static const hx_peer_ops shm_ops = {shm_post, shm_fail, shm_destroy};
 
+/* No state per agent: each peer holds its mappings, copies run on the pool. */
+const hx_transport hx_shm_transport = {.name = "shm"};
+
 hx_peer *hx_shm_new(hx_agent *a, int pid, int *status)
 {
     shm_peer *s = calloc(1, sizeof *s);

@@ -36,7 +36,7 @@
 #define MAX_IOV 64
 #define SPIN_NS 200000      /* after activity, poll this long before blocking */
 #define HX_INLINE_SEND (256u * 1024u) /* bytes a submitting thread may send itself */
-/* A peer that stops in the middle of a PUT's payload for a->stall_ns is cut
+/* A peer that stops in the middle of a PUT's payload for stall_ns is cut
  * off: the region it was writing is busy meanwhile, and Region.close() waits
  * for it. Live peers that merely have nothing to send are never affected. */
 
@@ -101,9 +101,18 @@ struct hx_io {
     int evfd;
     pthread_t thread;
     atomic_bool stop;
-    conn *conns; /* guarded by agent->io_lock */
+    conn *conns; /* guarded by tcp_agent.lock */
     bool stopped;
 };
+
+/* The tcp transport's state in an agent (a->state[HX_TRANSPORT_TCP]). */
+typedef struct tcp_agent {
+    pthread_mutex_t lock;
+    struct hx_io *io;  /* the I/O thread, started with the first connection */
+    uint64_t stall_ns; /* a PUT payload silent this long ends its connection */
+} tcp_agent;
+
+static tcp_agent *T(hx_agent *a) { return a->state[HX_TRANSPORT_TCP]; }
 
 static __thread uint8_t scratch[1 << 16]; /* payloads of refused PUTs go here */
 
@@ -134,7 +143,7 @@ static void update_interest(hx_agent *a, conn *c)
         want |= EPOLLOUT;
     if (want != c->events) {
         struct epoll_event ev = {.events = want, .data.ptr = c};
-        epoll_ctl(a->io->epfd, EPOLL_CTL_MOD, c->fd, &ev);
+        epoll_ctl(T(a)->io->epfd, EPOLL_CTL_MOD, c->fd, &ev);
         c->events = want;
     }
 }
@@ -251,7 +260,7 @@ static void conn_fail(hx_agent *a, conn *c, int status)
     c->head = c->tail = c->unsent = NULL;
     c->outq = 0;
     pthread_mutex_unlock(&c->lock);
-    epoll_ctl(a->io->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+    epoll_ctl(T(a)->io->epfd, EPOLL_CTL_DEL, c->fd, NULL);
     shutdown(c->fd, SHUT_RDWR);
     close(c->fd);
     c->fd = -1;
@@ -266,7 +275,7 @@ static void conn_fail(hx_agent *a, conn *c, int status)
     }
     if (c->target && c->in_payload) {
         c->in_payload = false;
-        a->io->payloads--;
+        T(a)->io->payloads--;
     }
 }
 
@@ -323,7 +332,7 @@ static int target_request(hx_agent *a, conn *c)
     c->rdone = 0;
     c->rop_id = op_id;
     c->in_payload = true;
-    a->io->payloads++;
+    T(a)->io->payloads++;
     return 0;
 }
 
@@ -334,7 +343,7 @@ static int target_payload_done(hx_agent *a, conn *c)
         c->rregion = NULL;
     }
     c->in_payload = false;
-    a->io->payloads--;
+    T(a)->io->payloads--;
     return enqueue_response(a, c, R_ACK, c->rstatus, c->rop_id, NULL, 0, NULL);
 }
 
@@ -469,8 +478,8 @@ static void conn_destroy(conn *c)
 /* Applies failures asked for by other threads and frees what is finished. */
 static void sweep(hx_agent *a)
 {
-    struct hx_io *io = a->io;
-    pthread_mutex_lock(&a->io_lock);
+    struct hx_io *io = T(a)->io;
+    pthread_mutex_lock(&T(a)->lock);
     conn **pp = &io->conns;
     while (*pp) {
         conn *c = *pp;
@@ -484,7 +493,7 @@ static void sweep(hx_agent *a)
         }
         pp = &c->next_all;
     }
-    pthread_mutex_unlock(&a->io_lock);
+    pthread_mutex_unlock(&T(a)->lock);
 }
 
 static uint64_t now_ns(void)
@@ -497,17 +506,17 @@ static uint64_t now_ns(void)
 static void cut_stalled(hx_agent *a)
 {
     uint64_t now = now_ns();
-    pthread_mutex_lock(&a->io_lock);
-    for (conn *c = a->io->conns; c; c = c->next_all)
-        if (c->target && c->in_payload && !c->broken && now - c->last_rx_ns > a->stall_ns)
+    pthread_mutex_lock(&T(a)->lock);
+    for (conn *c = T(a)->io->conns; c; c = c->next_all)
+        if (c->target && c->in_payload && !c->broken && now - c->last_rx_ns > T(a)->stall_ns)
             atomic_store(&c->fail_req, HX_E_PROTO);
-    pthread_mutex_unlock(&a->io_lock);
+    pthread_mutex_unlock(&T(a)->lock);
 }
 
 static void *io_main(void *arg)
 {
     hx_agent *a = arg;
-    struct hx_io *io = a->io;
+    struct hx_io *io = T(a)->io;
     struct epoll_event evs[64];
     uint64_t active_until = 0, next_stall_check = 0;
     while (!atomic_load(&io->stop)) {
@@ -576,24 +585,24 @@ static void *io_main(void *arg)
             sweep(a);
     }
     /* Stopping: every connection fails as closed, target ones are freed. */
-    pthread_mutex_lock(&a->io_lock);
+    pthread_mutex_lock(&T(a)->lock);
     for (conn *c = io->conns; c; c = c->next_all)
         conn_fail(a, c, HX_E_CLOSED);
-    pthread_mutex_unlock(&a->io_lock);
+    pthread_mutex_unlock(&T(a)->lock);
     sweep(a);
     return NULL;
 }
 
 static struct hx_io *io_get(hx_agent *a, int *status)
 {
-    pthread_mutex_lock(&a->io_lock);
-    struct hx_io *io = a->io;
+    pthread_mutex_lock(&T(a)->lock);
+    struct hx_io *io = T(a)->io;
     if (io) {
         if (io->stopped) {
             *status = HX_E_CLOSED;
             io = NULL;
         }
-        pthread_mutex_unlock(&a->io_lock);
+        pthread_mutex_unlock(&T(a)->lock);
         return io;
     }
     *status = HX_E_SYS;
@@ -608,12 +617,12 @@ static struct hx_io *io_get(hx_agent *a, int *status)
     if (epoll_ctl(io->epfd, EPOLL_CTL_ADD, io->evfd, &ev) < 0)
         goto fail;
     atomic_init(&io->stop, false);
-    a->io = io;
+    T(a)->io = io;
     if (pthread_create(&io->thread, NULL, io_main, a) != 0) {
-        a->io = NULL;
+        T(a)->io = NULL;
         goto fail;
     }
-    pthread_mutex_unlock(&a->io_lock);
+    pthread_mutex_unlock(&T(a)->lock);
     return io;
 fail:
     if (io) {
@@ -623,18 +632,21 @@ fail:
             close(io->evfd);
         free(io);
     }
-    pthread_mutex_unlock(&a->io_lock);
+    pthread_mutex_unlock(&T(a)->lock);
     return NULL;
 }
 
-void hx_io_shutdown(hx_agent *a)
+/* Stops the I/O thread, failing every tcp op with HX_E_CLOSED. */
+static void tcp_shutdown(hx_agent *a)
 {
-    pthread_mutex_lock(&a->io_lock);
-    struct hx_io *io = a->io;
+    if (!T(a))
+        return;
+    pthread_mutex_lock(&T(a)->lock);
+    struct hx_io *io = T(a)->io;
     bool join = io && !io->stopped;
     if (join)
         io->stopped = true;
-    pthread_mutex_unlock(&a->io_lock);
+    pthread_mutex_unlock(&T(a)->lock);
     if (!join)
         return;
     atomic_store(&io->stop, true);
@@ -642,9 +654,10 @@ void hx_io_shutdown(hx_agent *a)
     pthread_join(io->thread, NULL);
 }
 
-void hx_io_free(hx_agent *a)
+/* Frees what the stopped I/O thread left (connections Python never freed). */
+static void io_free(hx_agent *a)
 {
-    struct hx_io *io = a->io;
+    struct hx_io *io = T(a)->io;
     if (!io)
         return;
     conn *c = io->conns;
@@ -658,7 +671,7 @@ void hx_io_free(hx_agent *a)
     close(io->epfd);
     close(io->evfd);
     free(io);
-    a->io = NULL;
+    T(a)->io = NULL;
 }
 
 /* ---------- connections ---------- */
@@ -686,9 +699,9 @@ static conn *conn_add(hx_agent *a, int fd, bool target, uint64_t session, int *s
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
     c->events = EPOLLIN | EPOLLRDHUP;
-    pthread_mutex_lock(&a->io_lock);
+    pthread_mutex_lock(&T(a)->lock);
     if (io->stopped) {
-        pthread_mutex_unlock(&a->io_lock);
+        pthread_mutex_unlock(&T(a)->lock);
         conn_destroy(c);
         *status = HX_E_CLOSED;
         return NULL;
@@ -699,12 +712,12 @@ static conn *conn_add(hx_agent *a, int fd, bool target, uint64_t session, int *s
     struct epoll_event ev = {.events = c->events, .data.ptr = c};
     if (epoll_ctl(io->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
         io->conns = c->next_all;
-        pthread_mutex_unlock(&a->io_lock);
+        pthread_mutex_unlock(&T(a)->lock);
         conn_destroy(c);
         *status = HX_E_SYS;
         return NULL;
     }
-    pthread_mutex_unlock(&a->io_lock);
+    pthread_mutex_unlock(&T(a)->lock);
     *status = HX_OK;
     return c;
 }
@@ -752,7 +765,7 @@ int hx_tcp_serve_fd(hx_agent *a, int fd, uint64_t session, const uint8_t *first,
         pthread_mutex_unlock(&c->lock);
         if (rc < 0) {
             atomic_store(&c->fail_req, HX_E_CONNLOST);
-            io_wake(a->io);
+            io_wake(T(a)->io);
         }
     }
     return HX_OK;
@@ -760,8 +773,8 @@ int hx_tcp_serve_fd(hx_agent *a, int fd, uint64_t session, const uint8_t *first,
 
 void hx_tcp_drop_session(hx_agent *a, uint64_t session)
 {
-    pthread_mutex_lock(&a->io_lock);
-    struct hx_io *io = a->io;
+    pthread_mutex_lock(&T(a)->lock);
+    struct hx_io *io = T(a)->io;
     bool any = false;
     if (io && !io->stopped)
         for (conn *c = io->conns; c; c = c->next_all)
@@ -769,7 +782,7 @@ void hx_tcp_drop_session(hx_agent *a, uint64_t session)
                 atomic_store(&c->fail_req, HX_E_CONNLOST);
                 any = true;
             }
-    pthread_mutex_unlock(&a->io_lock);
+    pthread_mutex_unlock(&T(a)->lock);
     if (any)
         io_wake(io);
 }
@@ -836,7 +849,7 @@ static int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, 
             if (flush_budget(a, c, HX_INLINE_SEND) < 0) {
                 /* The I/O thread fails this op with the rest. */
                 atomic_store(&c->fail_req, HX_E_CONNLOST);
-                io_wake(a->io);
+                io_wake(T(a)->io);
             }
         }
         pthread_mutex_unlock(&c->lock);
@@ -859,15 +872,15 @@ static void tcp_fail(hx_peer *p, int status)
     conn *c = (conn *)p;
     int expected = 0;
     atomic_compare_exchange_strong(&c->fail_req, &expected, status);
-    io_wake(p->agent->io);
+    io_wake(T(p->agent)->io);
 }
 
 static void tcp_destroy(hx_peer *p)
 {
     conn *c = (conn *)p;
     hx_agent *a = p->agent;
-    pthread_mutex_lock(&a->io_lock);
-    struct hx_io *io = a->io;
+    pthread_mutex_lock(&T(a)->lock);
+    struct hx_io *io = T(a)->io;
     if (io->stopped) {
         /* No I/O thread any more: the conn is ours to unlink and free. */
         for (conn **pp = &io->conns; *pp; pp = &(*pp)->next_all)
@@ -875,15 +888,44 @@ static void tcp_destroy(hx_peer *p)
                 *pp = c->next_all;
                 break;
             }
-        pthread_mutex_unlock(&a->io_lock);
+        pthread_mutex_unlock(&T(a)->lock);
         if (c->fd >= 0)
             close(c->fd);
         conn_destroy(c);
         return;
     }
     atomic_store(&c->freeing, true);
-    pthread_mutex_unlock(&a->io_lock);
+    pthread_mutex_unlock(&T(a)->lock);
     io_wake(io);
 }
 
 static const hx_peer_ops tcp_ops = {tcp_post, tcp_fail, tcp_destroy};
+
+static int tcp_init(hx_agent *a)
+{
+    tcp_agent *t = calloc(1, sizeof *t);
+    if (!t)
+        return HX_E_NOMEM;
+    pthread_mutex_init(&t->lock, NULL);
+    t->stall_ns = 10ull * 1000000000ull;
+    a->state[HX_TRANSPORT_TCP] = t;
+    return HX_OK;
+}
+
+static void tcp_free(hx_agent *a)
+{
+    tcp_agent *t = T(a);
+    if (!t)
+        return;
+    io_free(a);
+    pthread_mutex_destroy(&t->lock);
+    free(t);
+    a->state[HX_TRANSPORT_TCP] = NULL;
+}
+
+const hx_transport hx_tcp_transport = {"tcp", tcp_init, tcp_shutdown, tcp_free};
+
+void hx_agent_set_stall(hx_agent *a, uint64_t ns)
+{
+    T(a)->stall_ns = ns;
+}

@@ -35,8 +35,7 @@ int hx_verbs_peer_connect(hx_peer *p, uint32_t qpn, uint32_t psn, const uint8_t 
 int hx_verbs_accept(hx_agent *a, uint64_t session, uint32_t qpn, uint32_t psn, const uint8_t *gid, uint16_t lid, int mtu, uint32_t *lqpn, uint32_t *lpsn) { (void)a; (void)session; (void)qpn; (void)psn; (void)gid; (void)lid; (void)mtu; (void)lqpn; (void)lpsn; return HX_E_SYS; }
 void hx_verbs_drop_session(hx_agent *a, uint64_t session) { (void)a; (void)session; }
 int hx_verbs_post_imm(hx_peer *p, uint64_t op_id, const hx_sge *sges, uint32_t n, uint32_t imm) { (void)p; (void)op_id; (void)sges; (void)n; (void)imm; return HX_E_SYS; }
-void hx_verbs_shutdown(hx_agent *a) { (void)a; }
-void hx_verbs_free(hx_agent *a) { (void)a; }
+const hx_transport hx_verbs_transport = {.name = "verbs"};
 
 #else
 
@@ -134,7 +133,7 @@ typedef struct hx_verbs {
     vqp *qps;
 } hx_verbs;
 
-static hx_verbs *V(hx_agent *a) { return (hx_verbs *)a->verbs; }
+static hx_verbs *V(hx_agent *a) { return a->state[HX_TRANSPORT_VERBS]; }
 
 static int load_api(ibv_api *api)
 {
@@ -745,7 +744,7 @@ static void *completion_main(void *arg)
 
 int hx_verbs_open(hx_agent *a, const char *dev, int port, int gid_index, int timeout, int retry_cnt)
 {
-    if (a->verbs)
+    if (V(a))
         return HX_OK;
     hx_verbs *v = calloc(1, sizeof *v);
     if (!v)
@@ -813,12 +812,12 @@ int hx_verbs_open(hx_agent *a, const char *dev, int port, int gid_index, int tim
     pthread_mutex_init(&v->lock, NULL);
     pthread_cond_init(&v->drained, NULL);
     atomic_init(&v->stop, false);
-    a->verbs = v;
+    a->state[HX_TRANSPORT_VERBS] = v;
     a->regs.release = release_mr;
     a->regs.release_ctx = v;
     if (pthread_create(&v->thread, NULL, completion_main, a) != 0) {
         FAIL("cannot start the completion thread");
-        a->verbs = NULL;
+        a->state[HX_TRANSPORT_VERBS] = NULL;
         a->regs.release = NULL;
         goto fail;
     }
@@ -854,7 +853,7 @@ int hx_verbs_local(hx_agent *a, uint8_t *gid, uint16_t *lid, int *mtu)
 
 /* Every QP to error; wait (bounded) for the flushed completions, so no op's
  * memory is released while the NIC may still touch it; stop the thread. */
-void hx_verbs_shutdown(hx_agent *a)
+static void verbs_shutdown(hx_agent *a)
 {
     hx_verbs *v = V(a);
     if (!v || !v->thread_started)
@@ -892,12 +891,12 @@ void hx_verbs_shutdown(hx_agent *a)
     v->thread_started = false;
 }
 
-void hx_verbs_free(hx_agent *a)
+static void verbs_free(hx_agent *a)
 {
     hx_verbs *v = V(a);
     if (!v)
         return;
-    hx_verbs_shutdown(a);
+    verbs_shutdown(a);
     vqp *q = v->qps;
     while (q) {
         vqp *next = q->next_all;
@@ -915,7 +914,9 @@ void hx_verbs_free(hx_agent *a)
     close(v->stop_fd);
     dlclose(v->api.dl);
     free(v);
-    a->verbs = NULL;
+    a->state[HX_TRANSPORT_VERBS] = NULL;
 }
+
+const hx_transport hx_verbs_transport = {"verbs", NULL, verbs_shutdown, verbs_free};
 
 #endif
