@@ -75,7 +75,7 @@ struct hx_peer {
 };
 
 /* A transport's part in the agent's lifetime. The agent never names a
- * transport: it walks hx_transports[] (transports.c), and each transport
+ * transport: it walks hx_transports[] (core/transports.c), and each transport
  * keeps whatever it needs per agent in a->state[its HX_TRANSPORT_* slot],
  * which only that transport's own files read. Any hook may be NULL.
  *
@@ -129,7 +129,7 @@ struct hx_agent {
     void *state[HX_NTRANSPORTS];
 };
 
-/* core.c: registries */
+/* core/registry.c */
 void hx_reg_init(hx_registry *reg);
 void hx_reg_destroy(hx_registry *reg);
 int hx_reg_add(hx_registry *reg, uint32_t id, uint8_t *base, uint64_t len, uint32_t access, int kind);
@@ -139,32 +139,37 @@ int hx_reg_remove(hx_registry *reg, uint32_t id, int wait, uint8_t **base, uint6
 hx_region *hx_reg_find_locked(hx_registry *reg, uint32_t id);
 int hx_reg_acquire(hx_registry *reg, uint32_t id, uint64_t off, uint64_t len,
                    uint32_t need, uint8_t **ptr, hx_region **out);
+/* hx_reg_acquire on the agent's own registry. */
 int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len,
                       uint32_t need, uint8_t **ptr, hx_region **out);
 void hx_region_release(hx_region *r);
+
+/* core/ring.c */
 void hx_complete(hx_agent *a, uint64_t op_id, int status);
 /* A WRITE WITH IMM arrived: a completion with op_id HX_NOTIFY_FLAG | imm. */
 void hx_notify(hx_agent *a, uint32_t imm, uint32_t len);
+
+/* core/pool.c */
+/* Starts n threads (a->threads has room for them); on failure a->nthreads
+ * counts those that did start. */
+int hx_pool_start(hx_agent *a, uint32_t n);
+/* Fails what is queued with HX_E_CLOSED, joins the threads. Safe twice. */
+void hx_pool_stop(hx_agent *a);
 /* Queues a job's copies on the pool; the pool completes the job. */
 void hx_pool_submit(hx_agent *a, hx_task *first, hx_task *last);
 /* Runs one task on the calling thread, as a pool thread would. */
 void hx_pool_run(hx_agent *a, hx_task *t);
 void hx_pool_fail_peer(hx_agent *a, uint64_t peer_id, int status);
-/* copy.c: an op whose remote memory is in `remote` (mapped here, or another
- * process's via cross-memory attach with pid): inline when small, else pool. */
+
+/* core/copy.c: an op whose remote memory is in `remote` (mapped here, or
+ * another process's via cross-memory attach with pid): inline when small,
+ * else on the pool. */
 int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t op_id,
                  const hx_sge *sges, uint32_t n);
-/* copy.c: one copy; the remote end is in process pid when pid != 0. */
+/* core/copy.c: one copy; the remote end is in process pid when pid != 0. */
 int hx_copy_run(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len);
-void hx_job_release(hx_agent *a, hx_job *job);
-void hx_peer_init(hx_peer *p, hx_agent *a, const hx_peer_ops *ops);
 
-/* Copies at or under this size run on the caller's thread: waking another
- * core (30-40 us each way) costs more than the copy. Cross-memory attach is
- * several times slower than memcpy, so its bound is lower. */
-#define HX_INLINE_COPY_MAX (1024u * 1024u)
-#define HX_INLINE_CMA_MAX (256u * 1024u)
-/* Larger copies are shared by the pool's threads and the caller. */
-#define HX_COPY_PIECE_MIN (1024u * 1024u)
+/* core/peer.c */
+void hx_peer_init(hx_peer *p, hx_agent *a, const hx_peer_ops *ops);
 
 #endif

@@ -7,6 +7,15 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
+#include <unistd.h>
+
+/* Copies at or under this size run on the caller's thread: waking another
+ * core (30-40 us each way) costs more than the copy. Cross-memory attach is
+ * several times slower than memcpy, so its bound is lower. */
+#define HX_INLINE_COPY_MAX (1024u * 1024u)
+#define HX_INLINE_CMA_MAX (256u * 1024u)
+/* Larger copies are shared by the pool's threads and the caller. */
+#define HX_COPY_PIECE_MIN (1024u * 1024u)
 
 int hx_copy_run(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len)
 {
@@ -161,4 +170,16 @@ out:
     free(dst);
     free(src);
     return rc;
+}
+
+void hx_prefault(void *addr, uint64_t len, int write)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    volatile uint8_t *p = addr;
+    for (uint64_t off = 0; off < len; off += (uint64_t)page) {
+        if (write)
+            p[off] = p[off]; /* a read-modify-write keeps the contents */
+        else
+            (void)p[off];
+    }
 }
