@@ -3,8 +3,8 @@
  * made with the GIL released, so each one does its own locking. */
 #ifndef AIOHIXL_HIXL_H
 #define AIOHIXL_HIXL_H
-#include <stdint.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #define HX_NOTIFY_FLAG 0x8000000000000000ULL
 
@@ -15,17 +15,17 @@ typedef struct hx_peer hx_peer;
 /* Status codes shared by every call and every completion. */
 enum {
     HX_OK = 0,
-    HX_E_BOUNDS = -1,      /* range outside the region */
-    HX_E_ACCESS = -2,      /* region lacks the right needed */
-    HX_E_NOREGION = -3,    /* no such region (never was, or closed) */
-    HX_E_CLOSED = -4,      /* agent or peer closed locally */
-    HX_E_CONNLOST = -5,    /* the connection to the peer broke */
-    HX_E_PROTO = -6,       /* malformed frame from the peer */
+    HX_E_BOUNDS = -1,   /* range outside the region */
+    HX_E_ACCESS = -2,   /* region lacks the right needed */
+    HX_E_NOREGION = -3, /* no such region (never was, or closed) */
+    HX_E_CLOSED = -4,   /* agent or peer closed locally */
+    HX_E_CONNLOST = -5, /* the connection to the peer broke */
+    HX_E_PROTO = -6,    /* malformed frame from the peer */
     HX_E_NOMEM = -7,
-    HX_E_BUSY = -8,        /* region still in use (non-blocking remove) */
-    HX_E_INVAL = -9,       /* bad argument */
-    HX_E_SYS = -10,        /* a system call failed; errno tells */
-    HX_E_REMOTE = -11      /* the target refused for a reason of its own */
+    HX_E_BUSY = -8,   /* region still in use (non-blocking remove) */
+    HX_E_INVAL = -9,  /* bad argument */
+    HX_E_SYS = -10,   /* a system call failed; errno tells */
+    HX_E_REMOTE = -11 /* the target refused for a reason of its own */
 };
 
 enum { HX_ACCESS_REMOTE_WRITE = 1, HX_ACCESS_REMOTE_READ = 2 };

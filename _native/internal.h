@@ -2,10 +2,10 @@
 #ifndef AIOHIXL_INTERNAL_H
 #define AIOHIXL_INTERNAL_H
 #define _GNU_SOURCE
+#include "hixl.h"
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
-#include "hixl.h"
 
 #define HX_REGION_BUCKETS 256
 
@@ -18,20 +18,22 @@ typedef struct hx_region {
     uint32_t access;
     uint8_t *base;
     uint64_t len;
-    uint32_t busy;          /* accesses in progress; guarded by reg->lock */
+    uint32_t busy; /* accesses in progress; guarded by reg->lock */
     bool removed;
-    uint8_t kind;           /* HX_MEM_*: how the bytes are reached */
-    void *mr;               /* the verbs memory registration, if any */
+    uint8_t kind; /* HX_MEM_*: how the bytes are reached */
+    void *mr;     /* the verbs memory registration, if any */
 } hx_region;
 
-enum { HX_MEM_DIRECT = 0, /* mapped in this process: memcpy */
-       HX_MEM_CMA = 1     /* another process's address: process_vm_readv/writev */ };
+enum {
+    HX_MEM_DIRECT = 0, /* mapped in this process: memcpy */
+    HX_MEM_CMA = 1     /* another process's address: process_vm_readv/writev */
+};
 
 /* Regions by id, each with a count of the accesses in progress. The agent's
  * own memory is one; a same-host peer's mappings of remote memory another. */
 struct hx_registry {
     pthread_mutex_t lock;
-    pthread_cond_t idle;    /* some region's busy count fell to zero */
+    pthread_cond_t idle; /* some region's busy count fell to zero */
     hx_region *buckets[HX_REGION_BUCKETS];
     void (*release)(void *ctx, void *mr); /* drops a region's mr once it is idle */
     void *release_ctx;
@@ -137,11 +139,11 @@ int hx_reg_add(hx_registry *reg, uint32_t id, uint8_t *base, uint64_t len, uint3
 int hx_reg_remove(hx_registry *reg, uint32_t id, int wait, uint8_t **base, uint64_t *len);
 /* The region with this id, removed or not; caller holds reg->lock. */
 hx_region *hx_reg_find_locked(hx_registry *reg, uint32_t id);
-int hx_reg_acquire(hx_registry *reg, uint32_t id, uint64_t off, uint64_t len,
-                   uint32_t need, uint8_t **ptr, hx_region **out);
+int hx_reg_acquire(hx_registry *reg, uint32_t id, uint64_t off, uint64_t len, uint32_t need, uint8_t **ptr,
+                   hx_region **out);
 /* hx_reg_acquire on the agent's own registry. */
-int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len,
-                      uint32_t need, uint8_t **ptr, hx_region **out);
+int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len, uint32_t need, uint8_t **ptr,
+                      hx_region **out);
 void hx_region_release(hx_region *r);
 
 /* core/ring.c */
@@ -164,8 +166,8 @@ void hx_pool_fail_peer(hx_agent *a, uint64_t peer_id, int status);
 /* core/copy.c: an op whose remote memory is in `remote` (mapped here, or
  * another process's via cross-memory attach with pid): inline when small,
  * else on the pool. */
-int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t op_id,
-                 const hx_sge *sges, uint32_t n);
+int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t op_id, const hx_sge *sges,
+                 uint32_t n);
 /* core/copy.c: one copy; the remote end is in process pid when pid != 0. */
 int hx_copy_run(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len);
 

@@ -1,8 +1,8 @@
 /* The agent's lifetime: its ring, pool, registry and transports. */
 #include "internal.h"
 #include <stdlib.h>
-#include <unistd.h>
 #include <sys/eventfd.h>
+#include <unistd.h>
 
 hx_agent *hx_agent_new(uint32_t ring_capacity, uint32_t copy_threads, int *status)
 {

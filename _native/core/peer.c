@@ -40,10 +40,7 @@ void hx_peer_fail(hx_peer *p, int status)
         p->ops->fail(p, status);
 }
 
-int hx_peer_status(hx_peer *p)
-{
-    return atomic_load(&p->failed);
-}
+int hx_peer_status(hx_peer *p) { return atomic_load(&p->failed); }
 
 void hx_peer_free(hx_peer *p)
 {

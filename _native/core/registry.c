@@ -29,10 +29,7 @@ void hx_reg_destroy(hx_registry *reg)
     }
 }
 
-static hx_region **bucket_of(hx_registry *reg, uint32_t id)
-{
-    return &reg->buckets[id % HX_REGION_BUCKETS];
-}
+static hx_region **bucket_of(hx_registry *reg, uint32_t id) { return &reg->buckets[id % HX_REGION_BUCKETS]; }
 
 hx_region *hx_reg_find_locked(hx_registry *reg, uint32_t id)
 {
@@ -112,8 +109,8 @@ static int check_locked(hx_region *r, uint64_t off, uint64_t len, uint32_t need)
     return HX_OK;
 }
 
-int hx_reg_acquire(hx_registry *reg, uint32_t id, uint64_t off, uint64_t len,
-                   uint32_t need, uint8_t **ptr, hx_region **out)
+int hx_reg_acquire(hx_registry *reg, uint32_t id, uint64_t off, uint64_t len, uint32_t need, uint8_t **ptr,
+                   hx_region **out)
 {
     pthread_mutex_lock(&reg->lock);
     hx_region *r = hx_reg_find_locked(reg, id);
@@ -148,8 +145,8 @@ int hx_region_remove(hx_agent *a, uint32_t id, int wait)
     return hx_reg_remove(&a->regs, id, wait, NULL, NULL);
 }
 
-int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len,
-                      uint32_t need, uint8_t **ptr, hx_region **out)
+int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len, uint32_t need, uint8_t **ptr,
+                      hx_region **out)
 {
     return hx_reg_acquire(&a->regs, id, off, len, need, ptr, out);
 }

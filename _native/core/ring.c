@@ -30,10 +30,7 @@ static void ring_push(hx_agent *a, uint64_t op_id, int status, uint32_t reserved
     }
 }
 
-void hx_complete(hx_agent *a, uint64_t op_id, int status)
-{
-    ring_push(a, op_id, status, 0, true);
-}
+void hx_complete(hx_agent *a, uint64_t op_id, int status) { ring_push(a, op_id, status, 0, true); }
 
 void hx_notify(hx_agent *a, uint32_t imm, uint32_t len)
 {
@@ -67,7 +64,4 @@ int hx_agent_drain(hx_agent *a, hx_completion *out, int max)
     return taken;
 }
 
-int hx_agent_wake_fd(hx_agent *a)
-{
-    return a->wake_fd;
-}
+int hx_agent_wake_fd(hx_agent *a) { return a->wake_fd; }

@@ -35,10 +35,7 @@ static int shm_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, 
     return hx_copy_post(p, &s->maps, pid, opcode, op_id, sges, n);
 }
 
-static void shm_fail(hx_peer *p, int status)
-{
-    hx_pool_fail_peer(p->agent, p->id, status);
-}
+static void shm_fail(hx_peer *p, int status) { hx_pool_fail_peer(p->agent, p->id, status); }
 
 static void unmap_all(shm_peer *s)
 {

@@ -104,10 +104,7 @@ int tcp_flush_budget(hx_agent *a, conn *c, uint64_t budget)
     return 0;
 }
 
-int tcp_flush_locked(hx_agent *a, conn *c)
-{
-    return tcp_flush_budget(a, c, UINT64_MAX);
-}
+int tcp_flush_locked(hx_agent *a, conn *c) { return tcp_flush_budget(a, c, UINT64_MAX); }
 
 void tcp_append_locked(conn *c, frame *first, frame *last, uint32_t count)
 {

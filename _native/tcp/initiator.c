@@ -28,8 +28,8 @@ int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_
     int count = 0, rc = HX_OK;
     for (uint32_t i = 0; i < n && rc == HX_OK; i++) {
         uint8_t *local;
-        rc = hx_region_acquire(a, sges[i].local_region, sges[i].local_off, sges[i].len, 0,
-                               &local, &op->regions[op->nregions]);
+        rc = hx_region_acquire(a, sges[i].local_region, sges[i].local_off, sges[i].len, 0, &local,
+                               &op->regions[op->nregions]);
         if (rc != HX_OK)
             break;
         op->nregions++;

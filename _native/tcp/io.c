@@ -307,7 +307,4 @@ static void tcp_free(hx_agent *a)
 
 const hx_transport hx_tcp_transport = {"tcp", tcp_init, tcp_shutdown, tcp_free};
 
-void hx_agent_set_stall(hx_agent *a, uint64_t ns)
-{
-    T(a)->stall_ns = ns;
-}
+void hx_agent_set_stall(hx_agent *a, uint64_t ns) { T(a)->stall_ns = ns; }

@@ -61,8 +61,8 @@ void hx_tcp_drop_session(hx_agent *a, uint64_t session)
         tcp_io_wake(io);
 }
 
-static int enqueue_response(hx_agent *a, conn *c, int kind, int status, uint64_t op_id,
-                            const uint8_t *data, uint64_t len, hx_region *region)
+static int enqueue_response(hx_agent *a, conn *c, int kind, int status, uint64_t op_id, const uint8_t *data,
+                            uint64_t len, hx_region *region)
 {
     frame *f = calloc(1, sizeof *f);
     if (!f) {

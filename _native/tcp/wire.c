@@ -13,10 +13,12 @@
 
 #define WIRE_MAGIC 0x50445848u /* "HXDP" little endian */
 
+/* clang-format off */
 static void put32(uint8_t *p, uint32_t v) { v = htole32(v); memcpy(p, &v, 4); }
 static void put64(uint8_t *p, uint64_t v) { v = htole64(v); memcpy(p, &v, 8); }
 static uint32_t get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return le32toh(v); }
 static uint64_t get64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return le64toh(v); }
+/* clang-format on */
 
 void tcp_put_req(uint8_t *h, const tcp_req *r)
 {

@@ -18,13 +18,13 @@ int vb_load_api(ibv_api *api)
         VB_FAIL("libibverbs not available: %s", dlerror());
         return -1;
     }
-#define SYM(field, name)                                   \
-    do {                                                   \
-        *(void **)&api->field = dlsym(api->dl, name);      \
-        if (!api->field) {                                 \
-            VB_FAIL("libibverbs lacks %s", name);             \
-            return -1;                                     \
-        }                                                  \
+#define SYM(field, name)                              \
+    do {                                              \
+        *(void **)&api->field = dlsym(api->dl, name); \
+        if (!api->field) {                            \
+            VB_FAIL("libibverbs lacks %s", name);     \
+            return -1;                                \
+        }                                             \
     } while (0)
     SYM(get_device_list, "ibv_get_device_list");
     SYM(free_device_list, "ibv_free_device_list");

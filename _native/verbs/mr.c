@@ -39,7 +39,7 @@ int hx_verbs_reg(hx_agent *a, uint32_t region, int readonly, uint32_t *rkey)
     if (!mr) {
         pthread_mutex_unlock(&reg->lock);
         VB_FAIL("ibv_reg_mr of %llu bytes failed: %s (is the memlock limit too low?)",
-             (unsigned long long)r->len, strerror(errno));
+                (unsigned long long)r->len, strerror(errno));
         return HX_E_SYS;
     }
     r->mr = mr;

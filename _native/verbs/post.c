@@ -44,8 +44,8 @@ int vb_post_chain(vqp *q, vop *op)
     return 0;
 }
 
-static int verbs_build(vqp *q, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n,
-                       bool with_imm, uint32_t imm, vop **out)
+static int verbs_build(vqp *q, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n, bool with_imm,
+                       uint32_t imm, vop **out)
 {
     hx_agent *a = q->base.agent;
     hx_verbs *v = V(a);
@@ -87,7 +87,8 @@ static int verbs_build(vqp *q, int opcode, uint64_t op_id, const hx_sge *sges, u
             uint64_t len = sges[i].len - off;
             if (len > v->max_msg)
                 len = v->max_msg;
-            sgl[w] = (struct ibv_sge){.addr = (uintptr_t)(local + off), .length = (uint32_t)len, .lkey = lkey};
+            sgl[w] =
+                (struct ibv_sge){.addr = (uintptr_t)(local + off), .length = (uint32_t)len, .lkey = lkey};
             wrs[w].wr_id = (uintptr_t)op;
             wrs[w].sg_list = &sgl[w];
             wrs[w].num_sge = 1;

@@ -12,7 +12,10 @@
 static struct ibv_qp *create_qp(hx_verbs *v)
 {
     struct ibv_qp_init_attr ia = {
-        .send_cq = v->cq, .recv_cq = v->cq, .qp_type = IBV_QPT_RC, .sq_sig_all = 0,
+        .send_cq = v->cq,
+        .recv_cq = v->cq,
+        .qp_type = IBV_QPT_RC,
+        .sq_sig_all = 0,
         .cap = {.max_send_wr = SQ_DEPTH, .max_recv_wr = RQ_DEPTH, .max_send_sge = 1, .max_recv_sge = 1},
     };
     struct ibv_qp *qp = v->api.create_qp(v->pd, &ia);
@@ -20,8 +23,11 @@ static struct ibv_qp *create_qp(hx_verbs *v)
         VB_FAIL("ibv_create_qp failed: %s", strerror(errno));
         return NULL;
     }
-    struct ibv_qp_attr at = {.qp_state = IBV_QPS_INIT, .port_num = (uint8_t)v->port, .pkey_index = 0,
-                             .qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_LOCAL_WRITE};
+    struct ibv_qp_attr at = {.qp_state = IBV_QPS_INIT,
+                             .port_num = (uint8_t)v->port,
+                             .pkey_index = 0,
+                             .qp_access_flags =
+                                 IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_LOCAL_WRITE};
     if (v->api.modify_qp(qp, &at, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)) {
         VB_FAIL("QP to INIT failed: %s", strerror(errno));
         v->api.destroy_qp(qp);
@@ -51,8 +57,9 @@ static int connect_qp(hx_verbs *v, struct ibv_qp *qp, uint32_t rqpn, uint32_t rp
         at.ah_attr.grh.sgid_index = (uint8_t)v->gid_index;
         at.ah_attr.grh.hop_limit = 64;
     }
-    if (v->api.modify_qp(qp, &at, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-                                      IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER)) {
+    if (v->api.modify_qp(qp, &at,
+                         IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                             IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER)) {
         VB_FAIL("QP to RTR failed: %s", strerror(errno));
         return HX_E_SYS;
     }
@@ -63,8 +70,9 @@ static int connect_qp(hx_verbs *v, struct ibv_qp *qp, uint32_t rqpn, uint32_t rp
     at.rnr_retry = 7;
     at.sq_psn = lpsn;
     at.max_rd_atomic = 16;
-    if (v->api.modify_qp(qp, &at, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
-                                      IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC)) {
+    if (v->api.modify_qp(qp, &at,
+                         IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+                             IBV_QP_MAX_QP_RD_ATOMIC)) {
         VB_FAIL("QP to RTS failed: %s", strerror(errno));
         return HX_E_SYS;
     }

@@ -79,7 +79,7 @@ typedef struct vqp {
     bool target;
     uint64_t session;
     pthread_mutex_t lock;
-    uint32_t wr_inflight;   /* posted and not yet completed */
+    uint32_t wr_inflight; /* posted and not yet completed */
     uint32_t ops_inflight;
     vop *pending_head, *pending_tail; /* waiting for room in the send queue */
     bool broken;
