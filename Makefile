@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(wildcard _native/*)
+$(STAMP): pyproject.toml setup.py $(wildcard _native/* _native/*/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
 	$(PY) -m pip install -q -e '.[test,lint]'

@@ -4,13 +4,17 @@ The cdef is the block of hixl.h between the CDEF markers, so the header is
 the single statement of the native interface.
 """
 
+import glob
 import os
 import re
 
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ["core.c", "copy.c", "loopback.c", "shm.c", "tcp.c", "verbs.c"]
+# Every .c of every folder: core/ (agent, registry, ring, pool, copies, the
+# transport table) and one folder per transport. Headers: hixl.h (the
+# interface), internal.h (shared by all), <transport>/<transport>.h (private).
+SOURCES = sorted(s for s in glob.glob(os.path.join(HERE, "*", "*.c")) if os.path.basename(os.path.dirname(s)) != "bench")
 # With rdma-core's headers the verbs transport is compiled in; libibverbs
 # itself is only dlopen()ed when an agent opens a device.
 HAVE_VERBS = os.path.exists("/usr/include/infiniband/verbs.h") and os.environ.get("AIOHIXL_NO_VERBS") != "1"
@@ -29,7 +33,7 @@ ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
     "aiohixl._hixl",
     '#include "hixl.h"',
-    sources=[os.path.relpath(os.path.join(HERE, s)) for s in SOURCES],
+    sources=[os.path.relpath(s) for s in SOURCES],
     include_dirs=[os.path.relpath(HERE)],
     # Portable code only: the Soft-RoCE VM and users' CPUs may lack AVX-512.
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11"],

@@ -3,8 +3,8 @@
  * made with the GIL released, so each one does its own locking. */
 #ifndef AIOHIXL_HIXL_H
 #define AIOHIXL_HIXL_H
-#include <stdint.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #define HX_NOTIFY_FLAG 0x8000000000000000ULL
 
@@ -15,17 +15,17 @@ typedef struct hx_peer hx_peer;
 /* Status codes shared by every call and every completion. */
 enum {
     HX_OK = 0,
-    HX_E_BOUNDS = -1,      /* range outside the region */
-    HX_E_ACCESS = -2,      /* region lacks the right needed */
-    HX_E_NOREGION = -3,    /* no such region (never was, or closed) */
-    HX_E_CLOSED = -4,      /* agent or peer closed locally */
-    HX_E_CONNLOST = -5,    /* the connection to the peer broke */
-    HX_E_PROTO = -6,       /* malformed frame from the peer */
+    HX_E_BOUNDS = -1,   /* range outside the region */
+    HX_E_ACCESS = -2,   /* region lacks the right needed */
+    HX_E_NOREGION = -3, /* no such region (never was, or closed) */
+    HX_E_CLOSED = -4,   /* agent or peer closed locally */
+    HX_E_CONNLOST = -5, /* the connection to the peer broke */
+    HX_E_PROTO = -6,    /* malformed frame from the peer */
     HX_E_NOMEM = -7,
-    HX_E_BUSY = -8,        /* region still in use (non-blocking remove) */
-    HX_E_INVAL = -9,       /* bad argument */
-    HX_E_SYS = -10,        /* a system call failed; errno tells */
-    HX_E_REMOTE = -11      /* the target refused for a reason of its own */
+    HX_E_BUSY = -8,   /* region still in use (non-blocking remove) */
+    HX_E_INVAL = -9,  /* bad argument */
+    HX_E_SYS = -10,   /* a system call failed; errno tells */
+    HX_E_REMOTE = -11 /* the target refused for a reason of its own */
 };
 
 enum { HX_ACCESS_REMOTE_WRITE = 1, HX_ACCESS_REMOTE_READ = 2 };
@@ -41,13 +41,19 @@ typedef struct {
     uint32_t reserved;
 } hx_completion;
 
-/* One contiguous piece of an op: local region + offset <-> remote region + offset. */
+/* One contiguous piece of an op: local region + offset <-> remote region + offset.
+ * loopback, shm and tcp address the remote end with remote_region and
+ * remote_off. verbs uses rkey and raddr instead, both set by the initiator:
+ * the remote region's rkey and the remote virtual address of this piece (the
+ * remote NIC checks both). */
 typedef struct {
     uint32_t local_region;
     uint32_t remote_region;
     uint64_t local_off;
     uint64_t remote_off;
     uint64_t len;
+    uint32_t rkey;
+    uint64_t raddr;
 } hx_sge;
 
 hx_agent *hx_agent_new(uint32_t ring_capacity, uint32_t copy_threads, int *status);
@@ -67,8 +73,6 @@ int hx_region_add(hx_agent *a, uint32_t id, uint64_t addr, uint64_t len, uint32_
  * accesses in progress end, else returns HX_E_BUSY while any is in progress
  * (the region stays withdrawn either way). */
 int hx_region_remove(hx_agent *a, uint32_t id, int wait);
-/* May a remote op touch [off, off+len) of region id with this right? */
-int hx_region_check(hx_agent *a, uint32_t id, uint64_t off, uint64_t len, uint32_t access);
 
 hx_peer *hx_loopback_new(hx_agent *a, int *status);
 int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n);
@@ -102,9 +106,9 @@ int hx_cma_probe(int pid, uint64_t addr, uint8_t *out, uint32_t len);
 /* verbs transport (libibverbs loaded at run time). open: device by name ("" for
  * the first), port, GID index, QP ack timeout exponent and retry count; on
  * failure hx_verbs_error() says why. reg: registers region's memory, gives
- * the rkey. For verbs posts, an sge's remote_region is the rkey and its
- * remote_off the remote virtual address. peer_new/peer_connect: the
- * initiator's QP; accept: the target's QP for a session. */
+ * the rkey. Posts address the remote end with an sge's rkey and raddr.
+ * peer_new/peer_connect: the initiator's QP; accept: the target's QP for a
+ * session. */
 int hx_verbs_open(hx_agent *a, const char *dev, int port, int gid_index, int timeout, int retry_cnt);
 const char *hx_verbs_error(void);
 int hx_verbs_built(void); /* 1 when compiled with rdma-core's headers */
@@ -116,7 +120,6 @@ int hx_verbs_accept(hx_agent *a, uint64_t session, uint32_t qpn, uint32_t psn, c
                     uint16_t lid, int mtu, uint32_t *lqpn, uint32_t *lpsn);
 void hx_verbs_drop_session(hx_agent *a, uint64_t session);
 int hx_verbs_post_imm(hx_peer *p, uint64_t op_id, const hx_sge *sges, uint32_t n, uint32_t imm);
-uint64_t hx_agent_notify_dropped(hx_agent *a);
 
 /* Touches every page so later copies do not pay page faults. */
 void hx_prefault(void *addr, uint64_t len, int write);

@@ -2,10 +2,10 @@
 #ifndef AIOHIXL_INTERNAL_H
 #define AIOHIXL_INTERNAL_H
 #define _GNU_SOURCE
+#include "hixl.h"
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
-#include "hixl.h"
 
 #define HX_REGION_BUCKETS 256
 
@@ -18,20 +18,22 @@ typedef struct hx_region {
     uint32_t access;
     uint8_t *base;
     uint64_t len;
-    uint32_t busy;          /* accesses in progress; guarded by reg->lock */
+    uint32_t busy; /* accesses in progress; guarded by reg->lock */
     bool removed;
-    uint8_t kind;           /* HX_MEM_*: how the bytes are reached */
-    void *mr;               /* the verbs memory registration, if any */
+    uint8_t kind; /* HX_MEM_*: how the bytes are reached */
+    void *mr;     /* the verbs memory registration, if any */
 } hx_region;
 
-enum { HX_MEM_DIRECT = 0, /* mapped in this process: memcpy */
-       HX_MEM_CMA = 1     /* another process's address: process_vm_readv/writev */ };
+enum {
+    HX_MEM_DIRECT = 0, /* mapped in this process: memcpy */
+    HX_MEM_CMA = 1     /* another process's address: process_vm_readv/writev */
+};
 
 /* Regions by id, each with a count of the accesses in progress. The agent's
  * own memory is one; a same-host peer's mappings of remote memory another. */
 struct hx_registry {
     pthread_mutex_t lock;
-    pthread_cond_t idle;    /* some region's busy count fell to zero */
+    pthread_cond_t idle; /* some region's busy count fell to zero */
     hx_region *buckets[HX_REGION_BUCKETS];
     void (*release)(void *ctx, void *mr); /* drops a region's mr once it is idle */
     void *release_ctx;
@@ -74,6 +76,37 @@ struct hx_peer {
     atomic_int failed; /* first failure status, 0 while healthy */
 };
 
+/* A transport's part in the agent's lifetime. The agent never names a
+ * transport: it walks hx_transports[] (core/transports.c), and each transport
+ * keeps whatever it needs per agent in a->state[its HX_TRANSPORT_* slot],
+ * which only that transport's own files read. Any hook may be NULL.
+ *
+ * init      from hx_agent_new, in table order. On failure the agent is freed
+ *           as below, so shutdown and free must cope with a slot never set.
+ * shutdown  from hx_agent_shutdown, in table order, before the copy pool
+ *           stops: the transport's own threads (tcp's I/O thread, verbs'
+ *           completion thread) stop and fail their ops, which release their
+ *           regions as they fail. May run twice, and on an agent whose
+ *           transport was never opened.
+ * free      from hx_agent_free, in table order, after every shutdown and after
+ *           the agent's registry is destroyed: hx_reg_destroy drops each
+ *           region's MR through regs.release (verbs: ibv_dereg_mr) while the
+ *           transport's state (verbs: the protection domain) still exists;
+ *           only then does free tear that state down.
+ */
+typedef struct hx_transport {
+    const char *name;
+    int (*init)(hx_agent *a);
+    void (*shutdown)(hx_agent *a);
+    void (*free)(hx_agent *a);
+} hx_transport;
+
+/* The slots of a->state and the order of hx_transports[]. */
+enum { HX_TRANSPORT_LOOPBACK, HX_TRANSPORT_SHM, HX_TRANSPORT_TCP, HX_TRANSPORT_VERBS, HX_NTRANSPORTS };
+
+extern const hx_transport hx_loopback_transport, hx_shm_transport, hx_tcp_transport, hx_verbs_transport;
+extern const hx_transport *const hx_transports[HX_NTRANSPORTS];
+
 struct hx_agent {
     hx_registry regs;
 
@@ -84,7 +117,6 @@ struct hx_agent {
     uint32_t ring_cap, ring_head, ring_count;
     bool signaled;
     int wake_fd;
-    uint64_t notify_dropped;
 
     /* copy pool */
     pthread_mutex_t pool_lock;
@@ -95,15 +127,11 @@ struct hx_agent {
     bool closing;
     atomic_uint_fast64_t next_peer_id;
 
-    /* tcp I/O thread, started with the first tcp connection */
-    pthread_mutex_t io_lock;
-    struct hx_io *io;
-    uint64_t stall_ns; /* tcp: a PUT payload silent this long ends its connection */
-
-    void *verbs; /* verbs.c: device, PD, CQ and QPs once opened */
+    /* per-transport state, opaque here: see hx_transport */
+    void *state[HX_NTRANSPORTS];
 };
 
-/* core.c: registries */
+/* core/registry.c */
 void hx_reg_init(hx_registry *reg);
 void hx_reg_destroy(hx_registry *reg);
 int hx_reg_add(hx_registry *reg, uint32_t id, uint8_t *base, uint64_t len, uint32_t access, int kind);
@@ -111,40 +139,39 @@ int hx_reg_add(hx_registry *reg, uint32_t id, uint8_t *base, uint64_t len, uint3
 int hx_reg_remove(hx_registry *reg, uint32_t id, int wait, uint8_t **base, uint64_t *len);
 /* The region with this id, removed or not; caller holds reg->lock. */
 hx_region *hx_reg_find_locked(hx_registry *reg, uint32_t id);
-int hx_reg_acquire(hx_registry *reg, uint32_t id, uint64_t off, uint64_t len,
-                   uint32_t need, uint8_t **ptr, hx_region **out);
-int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len,
-                      uint32_t need, uint8_t **ptr, hx_region **out);
+int hx_reg_acquire(hx_registry *reg, uint32_t id, uint64_t off, uint64_t len, uint32_t need, uint8_t **ptr,
+                   hx_region **out);
+/* hx_reg_acquire on the agent's own registry. */
+int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len, uint32_t need, uint8_t **ptr,
+                      hx_region **out);
 void hx_region_release(hx_region *r);
+
+/* core/ring.c */
 void hx_complete(hx_agent *a, uint64_t op_id, int status);
-/* A WRITE WITH IMM arrived: a completion with op_id HX_NOTIFY_BIT | imm. */
+/* A WRITE WITH IMM arrived: a completion with op_id HX_NOTIFY_FLAG | imm. */
 void hx_notify(hx_agent *a, uint32_t imm, uint32_t len);
-void hx_verbs_shutdown(hx_agent *a);
-void hx_verbs_free(hx_agent *a);
+
+/* core/pool.c */
+/* Starts n threads (a->threads has room for them); on failure a->nthreads
+ * counts those that did start. */
+int hx_pool_start(hx_agent *a, uint32_t n);
+/* Fails what is queued with HX_E_CLOSED, joins the threads. Safe twice. */
+void hx_pool_stop(hx_agent *a);
 /* Queues a job's copies on the pool; the pool completes the job. */
 void hx_pool_submit(hx_agent *a, hx_task *first, hx_task *last);
 /* Runs one task on the calling thread, as a pool thread would. */
 void hx_pool_run(hx_agent *a, hx_task *t);
 void hx_pool_fail_peer(hx_agent *a, uint64_t peer_id, int status);
-/* copy.c: an op whose remote memory is in `remote` (mapped here, or another
- * process's via cross-memory attach with pid): inline when small, else pool. */
-int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t op_id,
-                 const hx_sge *sges, uint32_t n);
-/* copy.c: one copy; the remote end is in process pid when pid != 0. */
-int hx_copy_run(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len);
-void hx_job_release(hx_agent *a, hx_job *job);
-void hx_peer_init(hx_peer *p, hx_agent *a, const hx_peer_ops *ops);
-/* tcp.c: stops the I/O thread, failing every tcp op with HX_E_CLOSED. */
-void hx_io_shutdown(hx_agent *a);
-/* tcp.c: frees what the stopped I/O thread left (connections Python never freed). */
-void hx_io_free(hx_agent *a);
 
-/* Copies at or under this size run on the caller's thread: waking another
- * core (30-40 us each way) costs more than the copy. Cross-memory attach is
- * several times slower than memcpy, so its bound is lower. */
-#define HX_INLINE_COPY_MAX (1024u * 1024u)
-#define HX_INLINE_CMA_MAX (256u * 1024u)
-/* Larger copies are shared by the pool's threads and the caller. */
-#define HX_COPY_PIECE_MIN (1024u * 1024u)
+/* core/copy.c: an op whose remote memory is in `remote` (mapped here, or
+ * another process's via cross-memory attach with pid): inline when small,
+ * else on the pool. */
+int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t op_id, const hx_sge *sges,
+                 uint32_t n);
+/* core/copy.c: one copy; the remote end is in process pid when pid != 0. */
+int hx_copy_run(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len);
+
+/* core/peer.c */
+void hx_peer_init(hx_peer *p, hx_agent *a, const hx_peer_ops *ops);
 
 #endif

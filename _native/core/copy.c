@@ -7,6 +7,15 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
+#include <unistd.h>
+
+/* Copies at or under this size run on the caller's thread: waking another
+ * core (30-40 us each way) costs more than the copy. Cross-memory attach is
+ * several times slower than memcpy, so its bound is lower. */
+#define HX_INLINE_COPY_MAX (1024u * 1024u)
+#define HX_INLINE_CMA_MAX (256u * 1024u)
+/* Larger copies are shared by the pool's threads and the caller. */
+#define HX_COPY_PIECE_MIN (1024u * 1024u)
 
 int hx_copy_run(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len)
 {
@@ -47,17 +56,17 @@ int hx_copy_run(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t 
 
 /* Checks both ends of every piece before anything is copied: a refused op
  * leaves all memory as it was. */
-static int acquire_all(hx_agent *a, hx_registry *remote, int opcode, const hx_sge *sges,
-                       uint32_t n, hx_region **regions, uint8_t **dst, const uint8_t **src)
+static int acquire_all(hx_agent *a, hx_registry *remote, int opcode, const hx_sge *sges, uint32_t n,
+                       hx_region **regions, uint8_t **dst, const uint8_t **src)
 {
     uint32_t need = opcode == HX_OP_PUT ? HX_ACCESS_REMOTE_WRITE : HX_ACCESS_REMOTE_READ;
     for (uint32_t i = 0; i < n; i++) {
         uint8_t *local, *far;
-        int rc = hx_region_acquire(a, sges[i].local_region, sges[i].local_off, sges[i].len, 0,
-                                   &local, &regions[2 * i]);
+        int rc = hx_region_acquire(a, sges[i].local_region, sges[i].local_off, sges[i].len, 0, &local,
+                                   &regions[2 * i]);
         if (rc == HX_OK) {
-            rc = hx_reg_acquire(remote, sges[i].remote_region, sges[i].remote_off, sges[i].len,
-                                need, &far, &regions[2 * i + 1]);
+            rc = hx_reg_acquire(remote, sges[i].remote_region, sges[i].remote_off, sges[i].len, need, &far,
+                                &regions[2 * i + 1]);
             if (rc != HX_OK)
                 hx_region_release(regions[2 * i]);
         }
@@ -81,8 +90,8 @@ static void free_tasks(hx_task *t)
     }
 }
 
-int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t op_id,
-                 const hx_sge *sges, uint32_t n)
+int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t op_id, const hx_sge *sges,
+                 uint32_t n)
 {
     hx_agent *a = p->agent;
     hx_job *job = calloc(1, sizeof *job + 2 * n * sizeof(hx_region *));
@@ -137,8 +146,12 @@ int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t 
                 rc = HX_E_NOMEM;
                 goto out;
             }
-            *t = (hx_task){.job = job, .dst = dst[i] + off, .src = src[i] + off, .len = len,
-                           .pid = pid, .opcode = opcode};
+            *t = (hx_task){.job = job,
+                           .dst = dst[i] + off,
+                           .src = src[i] + off,
+                           .len = len,
+                           .pid = pid,
+                           .opcode = opcode};
             if (last)
                 last->next = t;
             else
@@ -161,4 +174,16 @@ out:
     free(dst);
     free(src);
     return rc;
+}
+
+void hx_prefault(void *addr, uint64_t len, int write)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    volatile uint8_t *p = addr;
+    for (uint64_t off = 0; off < len; off += (uint64_t)page) {
+        if (write)
+            p[off] = p[off]; /* a read-modify-write keeps the contents */
+        else
+            (void)p[off];
+    }
 }

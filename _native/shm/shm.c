@@ -35,10 +35,7 @@ static int shm_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, 
     return hx_copy_post(p, &s->maps, pid, opcode, op_id, sges, n);
 }
 
-static void shm_fail(hx_peer *p, int status)
-{
-    hx_pool_fail_peer(p->agent, p->id, status);
-}
+static void shm_fail(hx_peer *p, int status) { hx_pool_fail_peer(p->agent, p->id, status); }
 
 static void unmap_all(shm_peer *s)
 {
@@ -57,6 +54,9 @@ static void shm_destroy(hx_peer *p)
 }
 
 static const hx_peer_ops shm_ops = {shm_post, shm_fail, shm_destroy};
+
+/* No state per agent: each peer holds its mappings, copies run on the pool. */
+const hx_transport hx_shm_transport = {.name = "shm"};
 
 hx_peer *hx_shm_new(hx_agent *a, int pid, int *status)
 {

@@ -7,17 +7,14 @@ static int lb_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, u
     return hx_copy_post(p, &p->agent->regs, 0, opcode, op_id, sges, n);
 }
 
-static void lb_fail(hx_peer *p, int status)
-{
-    hx_pool_fail_peer(p->agent, p->id, status);
-}
+static void lb_fail(hx_peer *p, int status) { hx_pool_fail_peer(p->agent, p->id, status); }
 
-static void lb_destroy(hx_peer *p)
-{
-    free(p);
-}
+static void lb_destroy(hx_peer *p) { free(p); }
 
 static const hx_peer_ops loopback_ops = {lb_post, lb_fail, lb_destroy};
+
+/* No state of its own: its copies run on the agent's pool. */
+const hx_transport hx_loopback_transport = {.name = "loopback"};
 
 hx_peer *hx_loopback_new(hx_agent *a, int *status)
 {

@@ -1,0 +1,51 @@
+/* Peers: what every transport's peers share (post checks, close, failure). */
+#include "internal.h"
+
+void hx_peer_init(hx_peer *p, hx_agent *a, const hx_peer_ops *ops)
+{
+    p->ops = ops;
+    p->agent = a;
+    p->id = atomic_fetch_add(&a->next_peer_id, 1);
+    atomic_init(&p->closed, false);
+    atomic_init(&p->failed, 0);
+}
+
+int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n)
+{
+    if (atomic_load(&p->closed))
+        return HX_E_CLOSED;
+    int failed = atomic_load(&p->failed);
+    if (failed)
+        return failed;
+    if (opcode != HX_OP_PUT && opcode != HX_OP_GET)
+        return HX_E_INVAL;
+    if (n == 0)
+        return HX_E_INVAL;
+    return p->ops->post(p, opcode, op_id, sges, n);
+}
+
+void hx_peer_close(hx_peer *p)
+{
+    if (atomic_exchange(&p->closed, true))
+        return;
+    hx_peer_fail(p, HX_E_CLOSED);
+}
+
+void hx_peer_fail(hx_peer *p, int status)
+{
+    if (status >= 0)
+        status = HX_E_CONNLOST;
+    int expected = 0;
+    if (atomic_compare_exchange_strong(&p->failed, &expected, status))
+        p->ops->fail(p, status);
+}
+
+int hx_peer_status(hx_peer *p) { return atomic_load(&p->failed); }
+
+void hx_peer_free(hx_peer *p)
+{
+    if (!p)
+        return;
+    hx_peer_close(p);
+    p->ops->destroy(p);
+}

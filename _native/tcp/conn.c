@@ -1,0 +1,243 @@
+/* tcp connections: the send queue, failure, and lifetime (added by either
+ * side, destroyed by the I/O thread or, once it is stopped, by Python). */
+#include "tcp.h"
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdlib.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define MAX_IOV 64
+
+void tcp_update_interest(hx_agent *a, conn *c)
+{
+    if (c->broken)
+        return;
+    uint32_t want = EPOLLRDHUP;
+    if (!c->target || c->outq < OUTQ_HIGH)
+        want |= EPOLLIN;
+    if (c->unsent)
+        want |= EPOLLOUT;
+    if (want != c->events) {
+        struct epoll_event ev = {.events = want, .data.ptr = c};
+        epoll_ctl(T(a)->io->epfd, EPOLL_CTL_MOD, c->fd, &ev);
+        c->events = want;
+    }
+}
+
+static void op_piece_done(hx_agent *a, tcp_op *op, int status)
+{
+    if (status != HX_OK && op->status == HX_OK)
+        op->status = status;
+    if (--op->remaining == 0) {
+        for (uint32_t i = 0; i < op->nregions; i++)
+            hx_region_release(op->regions[i]);
+        hx_complete(a, op->op_id, op->status);
+        free(op);
+    }
+}
+
+void tcp_frame_free(hx_agent *a, frame *f, int status)
+{
+    if (f->op)
+        op_piece_done(a, f->op, status);
+    if (f->region)
+        hx_region_release(f->region);
+    free(f->owned);
+    free(f);
+}
+
+/* Sends what can be sent without blocking, at most budget bytes. Caller holds
+ * c->lock. Returns 0, or -1 when the connection is broken. */
+int tcp_flush_budget(hx_agent *a, conn *c, uint64_t budget)
+{
+    while (c->unsent && !c->broken && budget) {
+        struct iovec iov[MAX_IOV];
+        int n = 0;
+        for (frame *f = c->unsent; f && n + 2 <= MAX_IOV; f = f->next) {
+            uint64_t s = f->sent;
+            if (s < f->hdrlen) {
+                iov[n].iov_base = f->hdr + s;
+                iov[n++].iov_len = f->hdrlen - s;
+                s = 0;
+            } else
+                s -= f->hdrlen;
+            if (f->datalen > s) {
+                iov[n].iov_base = (void *)(f->data + s);
+                iov[n++].iov_len = f->datalen - s;
+            }
+        }
+        struct msghdr msg = {.msg_iov = iov, .msg_iovlen = n};
+        ssize_t w = sendmsg(c->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                break;
+            return -1;
+        }
+        uint64_t left = (uint64_t)w;
+        budget = budget > left ? budget - left : 0;
+        while (left && c->unsent) {
+            frame *f = c->unsent;
+            uint64_t need = f->hdrlen + f->datalen - f->sent;
+            uint64_t take = left < need ? left : need;
+            f->sent += take;
+            left -= take;
+            if (f->sent < f->hdrlen + f->datalen)
+                break;
+            c->unsent = f->next;
+            if (c->target) {
+                /* A response is done once sent; requests wait for theirs. */
+                c->head = f->next;
+                if (!c->head)
+                    c->tail = NULL;
+                c->outq--;
+                tcp_frame_free(a, f, HX_OK);
+            }
+        }
+    }
+    tcp_update_interest(a, c);
+    return 0;
+}
+
+int tcp_flush_locked(hx_agent *a, conn *c) { return tcp_flush_budget(a, c, UINT64_MAX); }
+
+void tcp_append_locked(conn *c, frame *first, frame *last, uint32_t count)
+{
+    if (c->tail)
+        c->tail->next = first;
+    else
+        c->head = first;
+    c->tail = last;
+    if (!c->unsent)
+        c->unsent = first;
+    if (c->target)
+        c->outq += count;
+}
+
+/* Ends a connection: every frame fails with status. I/O thread only. */
+void tcp_conn_fail(hx_agent *a, conn *c, int status)
+{
+    /* A local close or give-up, asked for before the socket broke (the peer
+     * may close because we did), says why better than the socket does. */
+    int failed = atomic_load(&c->base.failed);
+    if (failed)
+        status = failed;
+    pthread_mutex_lock(&c->lock);
+    if (c->broken) {
+        pthread_mutex_unlock(&c->lock);
+        return;
+    }
+    c->broken = true;
+    frame *f = c->head;
+    c->head = c->tail = c->unsent = NULL;
+    c->outq = 0;
+    pthread_mutex_unlock(&c->lock);
+    epoll_ctl(T(a)->io->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+    shutdown(c->fd, SHUT_RDWR);
+    close(c->fd);
+    c->fd = -1;
+    while (f) {
+        frame *next = f->next;
+        tcp_frame_free(a, f, status);
+        f = next;
+    }
+    if (c->rregion) {
+        hx_region_release(c->rregion);
+        c->rregion = NULL;
+    }
+    if (c->target && c->in_payload) {
+        c->in_payload = false;
+        T(a)->io->payloads--;
+    }
+}
+
+void tcp_conn_destroy(conn *c)
+{
+    pthread_mutex_destroy(&c->lock);
+    free(c);
+}
+
+static void tcp_fail(hx_peer *p, int status)
+{
+    conn *c = (conn *)p;
+    int expected = 0;
+    atomic_compare_exchange_strong(&c->fail_req, &expected, status);
+    tcp_io_wake(T(p->agent)->io);
+}
+
+static void tcp_destroy(hx_peer *p)
+{
+    conn *c = (conn *)p;
+    hx_agent *a = p->agent;
+    tcp_agent *t = T(a);
+    pthread_mutex_lock(&t->lock);
+    tcp_io *io = t->io;
+    if (io->stopped) {
+        /* No I/O thread any more: the conn is ours to unlink and free. */
+        for (conn **pp = &io->conns; *pp; pp = &(*pp)->next_all)
+            if (*pp == c) {
+                *pp = c->next_all;
+                break;
+            }
+        pthread_mutex_unlock(&t->lock);
+        if (c->fd >= 0)
+            close(c->fd);
+        tcp_conn_destroy(c);
+        return;
+    }
+    atomic_store(&c->freeing, true);
+    pthread_mutex_unlock(&t->lock);
+    tcp_io_wake(io);
+}
+
+static const hx_peer_ops tcp_ops = {tcp_post, tcp_fail, tcp_destroy};
+
+conn *tcp_conn_add(hx_agent *a, int fd, bool target, uint64_t session, int *status)
+{
+    tcp_agent *t = T(a);
+    tcp_io *io = tcp_io_get(a, status);
+    if (!io)
+        return NULL;
+    conn *c = calloc(1, sizeof *c);
+    if (!c) {
+        *status = HX_E_NOMEM;
+        return NULL;
+    }
+    hx_peer_init(&c->base, a, &tcp_ops);
+    pthread_mutex_init(&c->lock, NULL);
+    c->fd = fd;
+    c->target = target;
+    c->session = session;
+    atomic_init(&c->fail_req, 0);
+    atomic_init(&c->freeing, false);
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+    c->events = EPOLLIN | EPOLLRDHUP;
+    pthread_mutex_lock(&t->lock);
+    if (io->stopped) {
+        pthread_mutex_unlock(&t->lock);
+        tcp_conn_destroy(c);
+        *status = HX_E_CLOSED;
+        return NULL;
+    }
+    c->next_all = io->conns;
+    io->conns = c;
+    /* Added to epoll last: from here on the I/O thread may use it. */
+    struct epoll_event ev = {.events = c->events, .data.ptr = c};
+    if (epoll_ctl(io->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+        io->conns = c->next_all;
+        pthread_mutex_unlock(&t->lock);
+        tcp_conn_destroy(c);
+        *status = HX_E_SYS;
+        return NULL;
+    }
+    pthread_mutex_unlock(&t->lock);
+    *status = HX_OK;
+    return c;
+}

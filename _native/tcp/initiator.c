@@ -1,0 +1,153 @@
+/* The initiator side of tcp: ops cut into request chunks, responses matched
+ * to the oldest chunk outstanding. */
+#include "tcp.h"
+#include <stdlib.h>
+#include <unistd.h>
+
+#define HX_INLINE_SEND (256u * 1024u) /* bytes a submitting thread may send itself */
+
+hx_peer *hx_tcp_connect_fd(hx_agent *a, int fd, int *status)
+{
+    conn *c = tcp_conn_add(a, fd, false, 0, status);
+    if (!c) {
+        close(fd);
+        return NULL;
+    }
+    return &c->base;
+}
+
+int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n)
+{
+    conn *c = (conn *)p;
+    hx_agent *a = p->agent;
+    tcp_op *op = calloc(1, sizeof *op + n * sizeof(hx_region *));
+    if (!op)
+        return HX_E_NOMEM;
+    op->op_id = op_id;
+    frame *first = NULL, *last = NULL;
+    int count = 0, rc = HX_OK;
+    for (uint32_t i = 0; i < n && rc == HX_OK; i++) {
+        uint8_t *local;
+        rc = hx_region_acquire(a, sges[i].local_region, sges[i].local_off, sges[i].len, 0, &local,
+                               &op->regions[op->nregions]);
+        if (rc != HX_OK)
+            break;
+        op->nregions++;
+        for (uint64_t off = 0; off < sges[i].len; off += HX_TCP_CHUNK) {
+            uint64_t len = sges[i].len - off;
+            if (len > HX_TCP_CHUNK)
+                len = HX_TCP_CHUNK;
+            frame *f = calloc(1, sizeof *f);
+            if (!f) {
+                rc = HX_E_NOMEM;
+                break;
+            }
+            tcp_put_req(f->hdr, &(tcp_req){.op = opcode == HX_OP_PUT ? W_PUT : W_GET,
+                                           .region = sges[i].remote_region,
+                                           .off = sges[i].remote_off + off,
+                                           .len = len,
+                                           .op_id = op_id});
+            f->hdrlen = REQ_SIZE;
+            f->op = op;
+            f->op_id = op_id;
+            f->opcode = opcode;
+            f->local = local + off;
+            f->len = len;
+            if (opcode == HX_OP_PUT) {
+                f->data = local + off;
+                f->datalen = len;
+            }
+            if (last)
+                last->next = f;
+            else
+                first = f;
+            last = f;
+            count++;
+        }
+    }
+    if (rc == HX_OK) {
+        op->remaining = count;
+        pthread_mutex_lock(&c->lock);
+        if (c->broken) {
+            rc = HX_E_CONNLOST;
+        } else {
+            tcp_append_locked(c, first, last, count);
+            /* Small ops go out on this thread; the I/O thread streams the
+             * rest, so the caller's event loop never waits on a big send. */
+            if (tcp_flush_budget(a, c, HX_INLINE_SEND) < 0) {
+                /* The I/O thread fails this op with the rest. */
+                atomic_store(&c->fail_req, HX_E_CONNLOST);
+                tcp_io_wake(T(a)->io);
+            }
+        }
+        pthread_mutex_unlock(&c->lock);
+        if (rc == HX_OK)
+            return HX_POSTED;
+    }
+    while (first) {
+        frame *next = first->next;
+        free(first);
+        first = next;
+    }
+    for (uint32_t i = 0; i < op->nregions; i++)
+        hx_region_release(op->regions[i]);
+    free(op);
+    return rc;
+}
+
+static int sanitize_remote_status(int32_t s)
+{
+    switch (s) {
+    case HX_OK:
+    case HX_E_BOUNDS:
+    case HX_E_ACCESS:
+    case HX_E_NOREGION:
+        return s;
+    default:
+        return HX_E_REMOTE;
+    }
+}
+
+void tcp_chunk_done(hx_agent *a, conn *c, frame *f, int status)
+{
+    pthread_mutex_lock(&c->lock);
+    c->head = f->next;
+    if (!c->head)
+        c->tail = NULL;
+    pthread_mutex_unlock(&c->lock);
+    tcp_frame_free(a, f, status);
+}
+
+int tcp_initiator_response(hx_agent *a, conn *c)
+{
+    tcp_resp r;
+    if (tcp_get_resp(c->rhdr, &r) < 0)
+        return -1;
+    pthread_mutex_lock(&c->lock);
+    frame *f = c->head;
+    bool sent = f && f != c->unsent;
+    pthread_mutex_unlock(&c->lock);
+    if (!sent)
+        return -1; /* an answer to nothing we asked */
+    int status = sanitize_remote_status(r.status);
+    if (r.op_id != f->op_id)
+        return -1;
+    if (f->opcode == HX_OP_PUT) {
+        if (r.kind != R_ACK || r.len != 0)
+            return -1;
+        tcp_chunk_done(a, c, f, status);
+        return 0;
+    }
+    if (r.kind != R_DATA || r.len != (status == HX_OK ? f->len : 0))
+        return -1;
+    if (status != HX_OK) {
+        tcp_chunk_done(a, c, f, status);
+        return 0;
+    }
+    c->rframe = f;
+    c->rdst = f->local;
+    c->rlen = r.len;
+    c->rdone = 0;
+    c->in_payload = true;
+    return 0;
+}

@@ -1,0 +1,310 @@
+/* The tcp I/O thread (epoll): reads every connection, sends what the
+ * submitting threads left, applies failures other threads asked for, cuts
+ * stalled payloads. Also the transport's agent state and hooks. */
+#include "tcp.h"
+#include <errno.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define SPIN_NS 200000 /* after activity, poll this long before blocking */
+
+static __thread uint8_t scratch[1 << 16]; /* payloads of refused PUTs go here */
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+void tcp_io_wake(tcp_io *io)
+{
+    uint64_t one = 1;
+    ssize_t n = write(io->evfd, &one, sizeof one);
+    (void)n;
+}
+
+/* Reads until the socket is drained. Returns -1 to fail with a protocol
+ * error, -2 when the connection is gone, 0 otherwise. */
+static int conn_read(hx_agent *a, conn *c)
+{
+    for (;;) {
+        if (c->target && c->outq >= OUTQ_HIGH)
+            return 0; /* back-pressure: answer first */
+        ssize_t r;
+        if (c->in_payload) {
+            uint8_t *dst = c->rdst ? c->rdst + c->rdone : scratch;
+            uint64_t want = c->rlen - c->rdone;
+            if (!c->rdst && want > sizeof scratch)
+                want = sizeof scratch;
+            r = recv(c->fd, dst, want, MSG_DONTWAIT);
+        } else {
+            uint32_t size = c->target ? REQ_SIZE : RESP_SIZE;
+            r = recv(c->fd, c->rhdr + c->rgot, size - c->rgot, MSG_DONTWAIT);
+        }
+        if (r == 0)
+            return -2;
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return 0;
+            return -2;
+        }
+        if (c->target)
+            c->last_rx_ns = now_ns();
+        if (c->in_payload) {
+            c->rdone += (uint64_t)r;
+            if (c->rdone < c->rlen)
+                continue;
+            if (c->target) {
+                int rc = tcp_target_payload_done(a, c);
+                if (rc < 0)
+                    return rc;
+            } else {
+                c->in_payload = false;
+                frame *f = c->rframe;
+                c->rframe = NULL;
+                c->rdst = NULL;
+                tcp_chunk_done(a, c, f, HX_OK);
+            }
+            continue;
+        }
+        c->rgot += (uint32_t)r;
+        uint32_t size = c->target ? REQ_SIZE : RESP_SIZE;
+        if (c->rgot < size)
+            continue;
+        c->rgot = 0;
+        int rc = c->target ? tcp_target_request(a, c) : tcp_initiator_response(a, c);
+        if (rc < 0)
+            return rc;
+    }
+}
+
+/* Applies failures asked for by other threads and frees what is finished. */
+static void sweep(hx_agent *a)
+{
+    tcp_agent *t = T(a);
+    tcp_io *io = t->io;
+    pthread_mutex_lock(&t->lock);
+    conn **pp = &io->conns;
+    while (*pp) {
+        conn *c = *pp;
+        int req = atomic_exchange(&c->fail_req, 0);
+        if (req)
+            tcp_conn_fail(a, c, req);
+        if (c->broken && (c->target || atomic_load(&c->freeing))) {
+            *pp = c->next_all;
+            tcp_conn_destroy(c);
+            continue;
+        }
+        pp = &c->next_all;
+    }
+    pthread_mutex_unlock(&t->lock);
+}
+
+static void cut_stalled(hx_agent *a)
+{
+    tcp_agent *t = T(a);
+    uint64_t now = now_ns();
+    pthread_mutex_lock(&t->lock);
+    for (conn *c = t->io->conns; c; c = c->next_all)
+        if (c->target && c->in_payload && !c->broken && now - c->last_rx_ns > t->stall_ns)
+            atomic_store(&c->fail_req, HX_E_PROTO);
+    pthread_mutex_unlock(&t->lock);
+}
+
+static void *io_main(void *arg)
+{
+    hx_agent *a = arg;
+    tcp_agent *t = T(a);
+    tcp_io *io = t->io;
+    struct epoll_event evs[64];
+    uint64_t active_until = 0, next_stall_check = 0;
+    while (!atomic_load(&io->stop)) {
+        /* A short spin after activity saves the wake-up of a blocked thread
+         * for the next frame of a burst; an idle agent blocks. */
+        int timeout = now_ns() < active_until ? 0 : (io->payloads ? 1000 : -1);
+        int n = epoll_wait(io->epfd, evs, 64, timeout);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            break;
+        }
+        if (n > 0)
+            active_until = now_ns() + SPIN_NS;
+        else if (timeout == 0)
+            sched_yield(); /* spinning: let the application's threads have the core */
+        bool sweep_needed = false;
+        for (int i = 0; i < n; i++) {
+            conn *c = evs[i].data.ptr;
+            if (!c) {
+                uint64_t v;
+                ssize_t r = read(io->evfd, &v, sizeof v);
+                (void)r;
+                sweep_needed = true;
+                continue;
+            }
+            if (c->broken)
+                continue;
+            /* A failure asked for (a local close) wins over what the socket says. */
+            int req = atomic_exchange(&c->fail_req, 0);
+            if (req) {
+                tcp_conn_fail(a, c, req);
+                sweep_needed = true;
+                continue;
+            }
+            uint32_t e = evs[i].events;
+            if (e & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
+                int rc = conn_read(a, c);
+                if (rc < 0) {
+                    tcp_conn_fail(a, c, rc == -1 ? HX_E_PROTO : HX_E_CONNLOST);
+                    sweep_needed = true;
+                    continue;
+                }
+                if (c->target) {
+                    pthread_mutex_lock(&c->lock);
+                    tcp_update_interest(a, c);
+                    pthread_mutex_unlock(&c->lock);
+                }
+            }
+            if (e & EPOLLOUT) {
+                pthread_mutex_lock(&c->lock);
+                int rc = tcp_flush_locked(a, c);
+                pthread_mutex_unlock(&c->lock);
+                if (rc < 0) {
+                    tcp_conn_fail(a, c, HX_E_CONNLOST);
+                    sweep_needed = true;
+                }
+            }
+        }
+        if (io->payloads && now_ns() >= next_stall_check) {
+            cut_stalled(a);
+            next_stall_check = now_ns() + 1000000000ull;
+            sweep_needed = true;
+        }
+        if (sweep_needed)
+            sweep(a);
+    }
+    /* Stopping: every connection fails as closed, target ones are freed. */
+    pthread_mutex_lock(&t->lock);
+    for (conn *c = io->conns; c; c = c->next_all)
+        tcp_conn_fail(a, c, HX_E_CLOSED);
+    pthread_mutex_unlock(&t->lock);
+    sweep(a);
+    return NULL;
+}
+
+tcp_io *tcp_io_get(hx_agent *a, int *status)
+{
+    tcp_agent *t = T(a);
+    pthread_mutex_lock(&t->lock);
+    tcp_io *io = t->io;
+    if (io) {
+        if (io->stopped) {
+            *status = HX_E_CLOSED;
+            io = NULL;
+        }
+        pthread_mutex_unlock(&t->lock);
+        return io;
+    }
+    *status = HX_E_SYS;
+    io = calloc(1, sizeof *io);
+    if (!io)
+        goto fail;
+    io->epfd = epoll_create1(EPOLL_CLOEXEC);
+    io->evfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (io->epfd < 0 || io->evfd < 0)
+        goto fail;
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+    if (epoll_ctl(io->epfd, EPOLL_CTL_ADD, io->evfd, &ev) < 0)
+        goto fail;
+    atomic_init(&io->stop, false);
+    t->io = io;
+    if (pthread_create(&io->thread, NULL, io_main, a) != 0) {
+        t->io = NULL;
+        goto fail;
+    }
+    pthread_mutex_unlock(&t->lock);
+    return io;
+fail:
+    if (io) {
+        if (io->epfd >= 0)
+            close(io->epfd);
+        if (io->evfd >= 0)
+            close(io->evfd);
+        free(io);
+    }
+    pthread_mutex_unlock(&t->lock);
+    return NULL;
+}
+
+/* Stops the I/O thread, failing every tcp op with HX_E_CLOSED. */
+static void tcp_shutdown(hx_agent *a)
+{
+    tcp_agent *t = T(a);
+    if (!t)
+        return;
+    pthread_mutex_lock(&t->lock);
+    tcp_io *io = t->io;
+    bool join = io && !io->stopped;
+    if (join)
+        io->stopped = true;
+    pthread_mutex_unlock(&t->lock);
+    if (!join)
+        return;
+    atomic_store(&io->stop, true);
+    tcp_io_wake(io);
+    pthread_join(io->thread, NULL);
+}
+
+/* Frees what the stopped I/O thread left (connections Python never freed). */
+static void io_free(hx_agent *a)
+{
+    tcp_io *io = T(a)->io;
+    if (!io)
+        return;
+    conn *c = io->conns;
+    while (c) {
+        conn *next = c->next_all;
+        if (c->fd >= 0)
+            close(c->fd);
+        tcp_conn_destroy(c);
+        c = next;
+    }
+    close(io->epfd);
+    close(io->evfd);
+    free(io);
+    T(a)->io = NULL;
+}
+
+static int tcp_init(hx_agent *a)
+{
+    tcp_agent *t = calloc(1, sizeof *t);
+    if (!t)
+        return HX_E_NOMEM;
+    pthread_mutex_init(&t->lock, NULL);
+    t->stall_ns = 10ull * 1000000000ull;
+    a->state[HX_TRANSPORT_TCP] = t;
+    return HX_OK;
+}
+
+static void tcp_free(hx_agent *a)
+{
+    tcp_agent *t = T(a);
+    if (!t)
+        return;
+    io_free(a);
+    pthread_mutex_destroy(&t->lock);
+    free(t);
+    a->state[HX_TRANSPORT_TCP] = NULL;
+}
+
+const hx_transport hx_tcp_transport = {"tcp", tcp_init, tcp_shutdown, tcp_free};
+
+void hx_agent_set_stall(hx_agent *a, uint64_t ns) { T(a)->stall_ns = ns; }

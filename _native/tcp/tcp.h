@@ -1,0 +1,162 @@
+/* The tcp transport: one native I/O thread per agent (epoll) serves every tcp
+ * connection, in both roles.
+ *
+ * Initiator: an op is cut into chunks of at most HX_TCP_CHUNK bytes, each a
+ * request frame (a 40-byte header, then for a PUT the payload, sent straight
+ * from the source memory with sendmsg). The target answers every request in
+ * order, so responses are matched to the oldest outstanding chunk: no address
+ * ever comes from the wire.
+ *
+ * Target: each request is checked against the registry (region alive, bounds,
+ * right) before a byte is placed; a PUT payload is received straight into the
+ * region, and acknowledged only once it is all there. A refused PUT's payload
+ * is read into a scratch buffer and dropped. A frame that breaks the protocol
+ * closes that connection and no other.
+ *
+ * Files: wire.c (frame headers), conn.c (connections: send queue, failure,
+ * lifetime), initiator.c, target.c, io.c (the I/O thread and the transport's
+ * agent state). This header is private to them.
+ */
+#ifndef AIOHIXL_TCP_H
+#define AIOHIXL_TCP_H
+#include "internal.h"
+
+#define REQ_SIZE 40
+#define RESP_SIZE 32
+#define HX_TCP_CHUNK (1u << 20)
+#define OUTQ_HIGH 512 /* target stops reading requests above this many queued responses */
+
+enum { W_PUT = 1, W_GET = 2 };
+enum { R_ACK = 1, R_DATA = 2 };
+
+/* An initiator's op: done when its last chunk is answered. */
+typedef struct tcp_op {
+    uint64_t op_id;
+    int remaining;
+    int status;
+    uint32_t nregions;
+    hx_region *regions[];
+} tcp_op;
+
+/* One frame on a connection's send queue: a request chunk (initiator) or a
+ * response (target). */
+typedef struct frame {
+    struct frame *next;
+    uint8_t hdr[REQ_SIZE];
+    uint32_t hdrlen;
+    const uint8_t *data;
+    uint64_t datalen;
+    uint64_t sent;
+    /* initiator chunk */
+    tcp_op *op;
+    uint8_t *local;
+    uint64_t len;
+    uint64_t op_id;
+    int opcode;
+    /* target response */
+    hx_region *region; /* busy until the payload is sent */
+    uint8_t *owned;    /* data we allocated (the first bytes of a served conn) */
+} frame;
+
+typedef struct conn {
+    hx_peer base; /* initiator conns are the Python-visible peer */
+    struct conn *next_all;
+    int fd;
+    bool target;
+    uint64_t session;
+    pthread_mutex_t lock;
+    frame *head, *tail, *unsent;
+    uint32_t outq;
+    uint32_t events;
+    bool broken;
+    atomic_int fail_req; /* a failure another thread asked for */
+    atomic_bool freeing; /* Python let go of the peer */
+    /* receive state (I/O thread only) */
+    uint8_t rhdr[REQ_SIZE];
+    uint32_t rgot;
+    bool in_payload;
+    uint8_t *rdst;
+    uint64_t rlen, rdone;
+    int rstatus;
+    hx_region *rregion;
+    uint64_t rop_id;
+    frame *rframe;
+    uint64_t last_rx_ns;
+} conn;
+
+/* The I/O thread, started with the agent's first tcp connection. */
+typedef struct tcp_io {
+    int payloads; /* target conns in the middle of a PUT payload (I/O thread only) */
+    int epfd;
+    int evfd;
+    pthread_t thread;
+    atomic_bool stop;
+    conn *conns; /* guarded by tcp_agent.lock */
+    bool stopped;
+} tcp_io;
+
+/* The transport's state in an agent: a->state[HX_TRANSPORT_TCP], made when
+ * the agent is. A peer that stops in the middle of a PUT's payload for
+ * stall_ns is cut off: the region it was writing is busy meanwhile, and
+ * Region.close() waits for it. Live peers that merely have nothing to send
+ * are never affected. */
+typedef struct tcp_agent {
+    pthread_mutex_t lock; /* io, and io->conns */
+    tcp_io *io;
+    uint64_t stall_ns;
+} tcp_agent;
+
+static inline tcp_agent *T(hx_agent *a) { return a->state[HX_TRANSPORT_TCP]; }
+
+/* wire.c: frame headers, all integers little endian. A request is magic,
+ * op (W_*), region, offset, length (1..HX_TCP_CHUNK) and op id; a response
+ * magic, kind (R_*), status, op id and the length of the data that follows. */
+typedef struct {
+    int op;
+    uint32_t region;
+    uint64_t off, len, op_id;
+} tcp_req;
+
+typedef struct {
+    int kind;
+    int32_t status;
+    uint64_t op_id, len;
+} tcp_resp;
+
+void tcp_put_req(uint8_t *h, const tcp_req *r);
+void tcp_put_resp(uint8_t *h, const tcp_resp *r);
+/* Decode a header; -1 when it breaks the protocol (magic; a request's op or length). */
+int tcp_get_req(const uint8_t *h, tcp_req *r);
+int tcp_get_resp(const uint8_t *h, tcp_resp *r);
+
+/* conn.c */
+conn *tcp_conn_add(hx_agent *a, int fd, bool target, uint64_t session, int *status);
+void tcp_conn_destroy(conn *c);
+/* Ends a connection: every frame fails with status. I/O thread only. */
+void tcp_conn_fail(hx_agent *a, conn *c, int status);
+void tcp_frame_free(hx_agent *a, frame *f, int status);
+/* Caller holds c->lock for these three. */
+void tcp_append_locked(conn *c, frame *first, frame *last, uint32_t count);
+/* Sends what can be sent without blocking, at most budget bytes. Returns 0,
+ * or -1 when the connection is broken. */
+int tcp_flush_budget(hx_agent *a, conn *c, uint64_t budget);
+int tcp_flush_locked(hx_agent *a, conn *c);
+void tcp_update_interest(hx_agent *a, conn *c);
+
+/* initiator.c */
+int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n);
+/* A response header is complete. Returns -1 to fail with a protocol error. */
+int tcp_initiator_response(hx_agent *a, conn *c);
+void tcp_chunk_done(hx_agent *a, conn *c, frame *f, int status);
+
+/* target.c: a request header is complete; a PUT payload has all arrived.
+ * Both return -1 to fail with a protocol error, -2 when the connection is gone. */
+int tcp_target_request(hx_agent *a, conn *c);
+int tcp_target_payload_done(hx_agent *a, conn *c);
+
+/* io.c */
+/* The I/O thread, started on first use; NULL with *status when it cannot be. */
+tcp_io *tcp_io_get(hx_agent *a, int *status);
+void tcp_io_wake(tcp_io *io);
+
+#endif

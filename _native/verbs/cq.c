@@ -1,0 +1,155 @@
+/* The completion thread: polls the CQ (a short spin, then blocks on the
+ * completion channel) and feeds the agent's completion ring. */
+#include "verbs.h"
+
+#ifdef HX_HAVE_VERBS
+#include <arpa/inet.h>
+#include <errno.h>
+#include <poll.h>
+#include <time.h>
+
+#define SPIN_NS 20000
+
+static int map_wc_status(enum ibv_wc_status s)
+{
+    switch (s) {
+    case IBV_WC_SUCCESS:
+        return HX_OK;
+    case IBV_WC_REM_ACCESS_ERR:
+    case IBV_WC_LOC_PROT_ERR:
+    case IBV_WC_LOC_ACCESS_ERR:
+        return HX_E_ACCESS;
+    case IBV_WC_REM_INV_REQ_ERR:
+    case IBV_WC_LOC_LEN_ERR:
+        return HX_E_BOUNDS;
+    case IBV_WC_RETRY_EXC_ERR:
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+    case IBV_WC_WR_FLUSH_ERR:
+        return HX_E_CONNLOST;
+    default:
+        return HX_E_REMOTE;
+    }
+}
+
+static vqp *find_qp(hx_verbs *v, uint32_t qp_num)
+{
+    for (vqp *q = v->qps; q; q = q->next_all)
+        if (q->qp->qp_num == qp_num)
+            return q;
+    return NULL;
+}
+
+static void on_send_wc(hx_agent *a, hx_verbs *v, struct ibv_wc *wc)
+{
+    vop *op = (vop *)(uintptr_t)(wc->wr_id & ~(uint64_t)1);
+    bool last = wc->wr_id & 1;
+    vqp *q = op->qp;
+    if (wc->status != IBV_WC_SUCCESS) {
+        int s = map_wc_status(wc->status);
+        int failed = atomic_load(&q->base.failed);
+        if (wc->status == IBV_WC_WR_FLUSH_ERR && failed)
+            s = failed; /* flushed because we closed or gave up the peer */
+        if (op->status == HX_OK)
+            op->status = s;
+        pthread_mutex_lock(&q->lock);
+        bool was = q->broken;
+        q->broken = true;
+        pthread_mutex_unlock(&q->lock);
+        if (!was) {
+            int expected = 0;
+            atomic_compare_exchange_strong(&q->base.failed, &expected, HX_E_CONNLOST);
+            vb_fail_pending(a, q, HX_E_CONNLOST);
+        }
+    }
+    if (!last)
+        return;
+    pthread_mutex_lock(&q->lock);
+    q->wr_inflight -= op->nwr;
+    q->ops_inflight--;
+    /* Room freed: post what waits, in order. */
+    while (!q->broken && q->pending_head && q->wr_inflight + q->pending_head->nwr <= SQ_DEPTH) {
+        vop *next = q->pending_head;
+        q->pending_head = next->next;
+        if (!q->pending_head)
+            q->pending_tail = NULL;
+        next->next = NULL;
+        if (vb_post_chain(q, next)) {
+            pthread_mutex_unlock(&q->lock);
+            vb_vop_finish(a, next, HX_E_SYS);
+            pthread_mutex_lock(&q->lock);
+        }
+    }
+    if (q->ops_inflight == 0)
+        pthread_cond_broadcast(&v->drained);
+    pthread_mutex_unlock(&q->lock);
+    vb_vop_finish(a, op, op->status != HX_OK ? op->status : map_wc_status(wc->status));
+}
+
+static void on_recv_wc(hx_agent *a, hx_verbs *v, struct ibv_wc *wc)
+{
+    if (wc->status != IBV_WC_SUCCESS)
+        return; /* flushed receives of a QP going away */
+    if (wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM)
+        hx_notify(a, ntohl(wc->imm_data), wc->byte_len);
+    pthread_mutex_lock(&v->lock);
+    vqp *q = find_qp(v, wc->qp_num);
+    if (q && !q->broken)
+        vb_post_recvs(q, 1);
+    pthread_mutex_unlock(&v->lock);
+}
+
+static int poll_some(hx_agent *a, hx_verbs *v)
+{
+    struct ibv_wc wcs[32];
+    int n = ibv_poll_cq(v->cq, 32, wcs);
+    for (int i = 0; i < n; i++) {
+        /* opcode is undefined in error completions: receives are told apart
+         * by their wr_id of 0. */
+        if (wcs[i].wr_id == 0)
+            on_recv_wc(a, v, &wcs[i]);
+        else
+            on_send_wc(a, v, &wcs[i]);
+    }
+    return n < 0 ? 0 : n;
+}
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+void *vb_completion_main(void *arg)
+{
+    hx_agent *a = arg;
+    hx_verbs *v = V(a);
+    unsigned int unacked = 0;
+    while (!atomic_load(&v->stop)) {
+        /* A short spin catches the next completion of a burst without a wake-up. */
+        uint64_t until = now_ns() + SPIN_NS;
+        do {
+            if (poll_some(a, v))
+                until = now_ns() + SPIN_NS;
+        } while (now_ns() < until && !atomic_load(&v->stop));
+        ibv_req_notify_cq(v->cq, 0);
+        if (poll_some(a, v))
+            continue; /* arrived between the last poll and the arming */
+        struct pollfd fds[2] = {{.fd = v->ch->fd, .events = POLLIN}, {.fd = v->stop_fd, .events = POLLIN}};
+        if (poll(fds, 2, -1) < 0 && errno != EINTR)
+            break;
+        if (fds[0].revents & POLLIN) {
+            struct ibv_cq *cq;
+            void *ctx;
+            if (v->api.get_cq_event(v->ch, &cq, &ctx) == 0 && ++unacked >= 64) {
+                v->api.ack_cq_events(v->cq, unacked);
+                unacked = 0;
+            }
+        }
+    }
+    if (unacked)
+        v->api.ack_cq_events(v->cq, unacked);
+    return NULL;
+}
+
+#endif
