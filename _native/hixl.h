@@ -6,8 +6,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define HX_NOTIFY_FLAG 0x8000000000000000ULL
-
 /* CDEF-BEGIN */
 typedef struct hx_agent hx_agent;
 typedef struct hx_peer hx_peer;
@@ -22,10 +20,11 @@ enum {
     HX_E_CONNLOST = -5, /* the connection to the peer broke */
     HX_E_PROTO = -6,    /* malformed frame from the peer */
     HX_E_NOMEM = -7,
-    HX_E_BUSY = -8,   /* region still in use (non-blocking remove) */
-    HX_E_INVAL = -9,  /* bad argument */
-    HX_E_SYS = -10,   /* a system call failed; errno tells */
-    HX_E_REMOTE = -11 /* the target refused for a reason of its own */
+    HX_E_BUSY = -8,    /* region still in use (non-blocking remove) */
+    HX_E_INVAL = -9,   /* bad argument */
+    HX_E_SYS = -10,    /* a system call failed; errno tells */
+    HX_E_REMOTE = -11, /* the target refused for a reason of its own */
+    HX_E_SILENT = -12  /* the peer stopped answering heartbeats */
 };
 
 enum { HX_ACCESS_REMOTE_WRITE = 1, HX_ACCESS_REMOTE_READ = 2 };
@@ -33,13 +32,24 @@ enum { HX_OP_PUT = 1, HX_OP_GET = 2 };
 /* hx_peer_post: the op finished inline, no completion will follow. */
 enum { HX_POSTED = 0, HX_DONE_INLINE = 1 };
 
-/* op_id with HX_NOTIFY_FLAG (bit 63) set is no op: a WRITE WITH IMM arrived,
- * the low 32 bits are its immediate and `reserved` its length. */
 typedef struct {
     uint64_t op_id;
     int32_t status;
     uint32_t reserved;
 } hx_completion;
+
+/* A notification that arrived: from `source` (the session key of the peer
+ * that sent it, 0 for this agent itself), `len` bytes of data; with
+ * HX_NOTE_IMM in flags, a verbs WRITE WITH IMM of `nbytes` carrying `imm`. */
+enum { HX_NOTE_MAX = 4096, HX_NOTE_IMM = 1 };
+typedef struct {
+    uint64_t source;
+    uint32_t imm;
+    uint32_t flags;
+    uint32_t nbytes;
+    uint32_t len;
+    uint8_t data[4096];
+} hx_note;
 
 /* One contiguous piece of an op: local region + offset <-> remote region + offset.
  * loopback, shm and tcp address the remote end with remote_region and
@@ -63,6 +73,16 @@ int hx_agent_wake_fd(hx_agent *a);
 void hx_agent_set_stall(hx_agent *a, uint64_t ns);
 /* Takes up to max completions; returns how many. Clears the wake fd first. */
 int hx_agent_drain(hx_agent *a, hx_completion *out, int max);
+/* Notifications: take up to max (oldest first); how many are queued; how
+ * many could not be held back and were dropped; the queue's capacity (a full
+ * queue holds senders back: default 4096). */
+int hx_agent_drain_notes(hx_agent *a, hx_note *out, int max);
+int hx_agent_notes_pending(hx_agent *a);
+uint64_t hx_agent_notes_dropped(hx_agent *a);
+void hx_agent_set_notes(hx_agent *a, uint32_t capacity);
+/* tcp: every interval_ns each connection is pinged by its native side; one
+ * that hears nothing for timeout_ns fails with HX_E_SILENT. */
+void hx_agent_set_heartbeat(hx_agent *a, uint64_t interval_ns, uint64_t timeout_ns);
 /* Stops accepting work, fails queued work with HX_E_CLOSED, waits for work
  * already touching memory, joins native threads. Safe to call twice. */
 void hx_agent_shutdown(hx_agent *a);
@@ -81,6 +101,12 @@ void hx_peer_close(hx_peer *p);
 /* Fails every op outstanding on the peer with status (e.g. HX_E_CONNLOST when
  * the control plane saw the peer die); later posts fail the same way. */
 void hx_peer_fail(hx_peer *p, int status);
+/* A notification of len <= HX_NOTE_MAX bytes for the peer's agent, delivered
+ * after the op dep (0: none) placed every byte, and not at all if it failed;
+ * the op op_id completes once it is queued there. HX_E_BUSY: the local queue
+ * (loopback) is full, try again after draining; HX_E_INVAL: this transport
+ * carries none. */
+int hx_peer_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len);
 /* 0 while the peer works, else the status its ops now fail with. */
 int hx_peer_status(hx_peer *p);
 void hx_peer_free(hx_peer *p);
@@ -92,6 +118,9 @@ hx_peer *hx_tcp_connect_fd(hx_agent *a, int fd, int *status);
 int hx_tcp_serve_fd(hx_agent *a, int fd, uint64_t session, const uint8_t *first, uint32_t first_len);
 /* Closes every served connection of a session (its control connection ended). */
 void hx_tcp_drop_session(hx_agent *a, uint64_t session);
+/* 1 while a served connection of the session is up, 0 once all have ended
+ * (closed, or silent past the heartbeat timeout), -1 if it never had one. */
+int hx_tcp_session_alive(hx_agent *a, uint64_t session);
 
 /* Same-host peer (process pid). map: a memfd region of the peer, mapped here
  * (the fd is not kept). attach: a range of the peer's address space, reached

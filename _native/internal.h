@@ -64,6 +64,8 @@ typedef struct hx_job {
 
 typedef struct hx_peer_ops {
     int (*post)(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n);
+    /* A notification for the peer's agent (NULL: the transport carries none). */
+    int (*note)(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len);
     void (*fail)(hx_peer *p, int status);
     void (*destroy)(hx_peer *p);
 } hx_peer_ops;
@@ -99,6 +101,8 @@ typedef struct hx_transport {
     int (*init)(hx_agent *a);
     void (*shutdown)(hx_agent *a);
     void (*free)(hx_agent *a);
+    /* The notification queue has room again: resume senders held back. */
+    void (*note_space)(hx_agent *a);
 } hx_transport;
 
 /* The slots of a->state and the order of hx_transports[]. */
@@ -127,6 +131,13 @@ struct hx_agent {
     bool closing;
     atomic_uint_fast64_t next_peer_id;
 
+    /* notifications that arrived: core/notes.c */
+    pthread_mutex_t note_lock;
+    struct hx_note_entry *note_head, *note_tail;
+    uint32_t note_count, note_cap;
+    bool note_blocked; /* a push was refused: someone waits for room */
+    uint64_t note_dropped;
+
     /* per-transport state, opaque here: see hx_transport */
     void *state[HX_NTRANSPORTS];
 };
@@ -148,8 +159,17 @@ void hx_region_release(hx_region *r);
 
 /* core/ring.c */
 void hx_complete(hx_agent *a, uint64_t op_id, int status);
-/* A WRITE WITH IMM arrived: a completion with op_id HX_NOTIFY_FLAG | imm. */
-void hx_notify(hx_agent *a, uint32_t imm, uint32_t len);
+/* Makes the wake fd readable (once per batch). */
+void hx_wake(hx_agent *a);
+
+/* core/notes.c. push: HX_E_BUSY when the queue is full; the caller holds the
+ * sender back until note_space. dropped: counts a message that could not be
+ * held back (a verbs immediate when the queue is full). */
+void hx_notes_init(hx_agent *a);
+void hx_notes_free(hx_agent *a);
+int hx_note_push(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len, uint32_t imm,
+                 uint32_t flags, uint32_t nbytes);
+void hx_note_dropped(hx_agent *a);
 
 /* core/pool.c */
 /* Starts n threads (a->threads has room for them); on failure a->nthreads

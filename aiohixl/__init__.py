@@ -11,6 +11,7 @@ from .errors import (
     InvalidArgument,
     InvalidDescriptor,
     LengthMismatch,
+    NotificationTimeout,
     OutOfBounds,
     ProtocolError,
     RegionUnavailable,
@@ -19,6 +20,7 @@ from .errors import (
     UnsupportedMemory,
 )
 from .memory import Access, Region, RegionSlice
+from .notifications import Notification
 from .peer import Peer
 from .remote import RemoteRegion, RemoteSlice
 
@@ -47,5 +49,7 @@ __all__ = [
     "ProtocolError",
     "TransferError",
     "TransferTimeout",
+    "NotificationTimeout",
+    "Notification",
     "__version__",
 ]

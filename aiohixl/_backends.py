@@ -22,6 +22,10 @@ class Backend:
     def unwatch(self, fd: int) -> None: ...
     def new_waiter(self) -> Any: ...
     def resolve(self, waiter: Any, exc: BaseException | None) -> None: ...
+    def pending(self, waiter: Any) -> bool:
+        """Whether someone still waits on it (not resolved, not cancelled)."""
+        raise NotImplementedError
+
     async def wait(self, waiter: Any) -> None: ...
     def spawn(self, fn: Callable[[], Any], name: str) -> None:
         """Run ``fn()`` in the background; it must catch its own exceptions."""
@@ -52,6 +56,9 @@ class AsyncioBackend(Backend):
         else:
             waiter.set_exception(exc)
 
+    def pending(self, waiter: asyncio.Future) -> bool:
+        return not waiter.done()
+
     async def wait(self, waiter: asyncio.Future) -> None:
         await waiter
 
@@ -62,11 +69,12 @@ class AsyncioBackend(Backend):
 
 
 class _TrioWaiter:
-    __slots__ = ("event", "exc")
+    __slots__ = ("event", "exc", "abandoned")
 
     def __init__(self, event: Any) -> None:
         self.event = event
         self.exc: BaseException | None = None
+        self.abandoned = False
 
 
 class TrioBackend(Backend):
@@ -110,8 +118,15 @@ class TrioBackend(Backend):
             waiter.exc = exc
             waiter.event.set()
 
+    def pending(self, waiter: _TrioWaiter) -> bool:
+        return not waiter.event.is_set() and not waiter.abandoned
+
     async def wait(self, waiter: _TrioWaiter) -> None:
-        await waiter.event.wait()
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            waiter.abandoned = True  # cancelled: nobody will read what it is given
+            raise
         if waiter.exc is not None:
             raise waiter.exc
 

@@ -1,4 +1,4 @@
-"""The control plane: authenticated handshake, region lookups, withdrawals, heartbeats.
+"""The control plane: authenticated handshake, region lookups, withdrawals.
 
 Every connection to a listener starts with the same exchange::
 
@@ -9,9 +9,9 @@ Every connection to a listener starts with the same exchange::
               DATA_OK    sent by the native layer once it owns the socket (data)
 
 Each side proves it holds the token before the other says anything that
-matters; MACs are compared in constant time. After a control handshake both
-sides send PING every ``interval`` seconds and give the connection up when
-nothing arrives for ``timeout`` seconds.
+matters; MACs are compared in constant time. Whether the peer is alive is
+told by its native channel (the data connection), whose heartbeats both
+native threads answer: see Session.
 """
 
 from __future__ import annotations
@@ -288,32 +288,38 @@ class Session:
 
     ``handlers`` maps frame types to callables taking a Reader (they may be
     coroutines). ``on_end`` runs once, with the reason, when the session ends.
+
+    Liveness is not judged here: the peer's native channel carries heartbeats
+    that its native thread answers, so a peer whose event loop is blocked
+    stays connected. Every ``interval`` seconds ``silent()`` is asked; a
+    reason it gives ends the session.
     """
 
     def __init__(
         self,
         ch: Channel,
         interval: float,
-        timeout: float,
         handlers: dict[int, Callable[..., Any]],
         on_end: Callable[[HixlError], None],
         label: str,
+        silent: Callable[[], str | None],
     ) -> None:
         self.ch = ch
         self.interval = interval
-        self.timeout = timeout
         self.handlers = handlers
         self.on_end = on_end
         self.label = label
+        self.silent = silent
         self.scope: anyio.CancelScope | None = None
         self.ended: HixlError | None = None
+        self._reason: HixlError | None = None
 
     async def run(self) -> None:
         reason: HixlError = ConnectionLost(f"{self.label}: control connection closed")
         try:
             with anyio.CancelScope() as self.scope:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._pinger)
+                    tg.start_soon(self._watch)
                     reason = await self._reader()
                     tg.cancel_scope.cancel()
         except BaseException as exc:
@@ -322,6 +328,8 @@ class Session:
             elif not isinstance(exc, (Exception, anyio.get_cancelled_exc_class())):
                 raise
         finally:
+            if self._reason is not None:
+                reason = self._reason
             if self.ended is None:
                 self.ended = reason
                 self.on_end(reason)
@@ -330,10 +338,7 @@ class Session:
     async def _reader(self) -> HixlError:
         while True:
             try:
-                with anyio.fail_after(self.timeout):
-                    ftype, r = await self.ch.recv(w.MAX_FRAME)
-            except TimeoutError:
-                return ConnectionLost(f"{self.label}: no heartbeat for {self.timeout} s")
+                ftype, r = await self.ch.recv(w.MAX_FRAME)
             except STREAM_ERRORS:
                 return ConnectionLost(f"{self.label}: control connection lost")
             except ProtocolError as exc:
@@ -353,14 +358,12 @@ class Session:
             except ProtocolError as exc:
                 return ProtocolError(f"{self.label}: {exc}")
 
-    async def _pinger(self) -> None:
-        ping = w.Writer().frame(w.PING)
+    async def _watch(self) -> None:
         while True:
             await anyio.sleep(self.interval)
-            try:
-                with anyio.fail_after(self.timeout):
-                    await self.ch.send(ping)
-            except (TimeoutError, *STREAM_ERRORS):
+            why = self.silent()
+            if why is not None:
+                self._reason = ConnectionLost(f"{self.label}: {why}")
                 if self.scope is not None:
                     self.scope.cancel()
                 return

@@ -22,25 +22,28 @@ from .memory import Region
 __all__ = ["Engine"]
 
 _DRAIN_BATCH = 4096
-NOTIFY_FLAG = 1 << 63  # HX_NOTIFY_FLAG: a WRITE WITH IMM arrived, not an op
 
 
 class OpOwner(Protocol):
-    """Who posted an op (a peer): its native handles live until its last op ends."""
+    """Who posted an op (a peer): its native handles live until its last op ends.
 
-    def op_started(self) -> None: ...
+    ``op_started`` returns a tag that ``op_ended`` gets back (the peer's fence epoch).
+    """
 
-    def op_ended(self) -> None: ...
+    def op_started(self) -> int: ...
+
+    def op_ended(self, tag: int) -> None: ...
 
 
 class _Op:
-    __slots__ = ("waiter", "keep", "what", "owner")
+    __slots__ = ("waiter", "keep", "what", "owner", "tag")
 
-    def __init__(self, waiter: Any, keep: tuple[Region, ...], what: str, owner: OpOwner | None):
+    def __init__(self, waiter: Any, keep: tuple[Region, ...], what: str, owner: OpOwner | None, tag: int):
         self.waiter = waiter
         self.keep = keep  # local regions (and their buffers) the native side touches
         self.what = what
         self.owner = owner
+        self.tag = tag
 
 
 class Engine:
@@ -59,7 +62,8 @@ class Engine:
         self._slot_waiters: list[Any] = []
         self.completed = 0  # ops whose completion arrived, awaited or not
         self.unknown_completions = 0  # completions of no outstanding op: a bug if ever > 0
-        self.on_notify: Any = None
+        self.last_op_id = 0  # the id of the op posted last (what a notification may follow)
+        self.on_wake: Any = None  # called after each drain: notifications may have arrived
 
     @property
     def outstanding(self) -> int:
@@ -100,7 +104,7 @@ class Engine:
         ``keep`` (the local regions) stays referenced, and counted in flight
         for Region.close(), until the completion arrives.
         """
-        op_id = self._next_id
+        op_id = self.last_op_id = self._next_id
         self._next_id += 1
         rc = lib.hx_peer_post(handle, opcode, op_id, sges, n)
         if rc == 1:  # HX_DONE_INLINE
@@ -108,11 +112,21 @@ class Engine:
             return None
         return self._track(op_id, rc, keep, what, owner)
 
-    def post_with(self, submit: Any, keep: tuple[Region, ...], what: str, owner: OpOwner | None = None) -> Any:
+    BUSY = object()  # post_with(busy_ok=True): the receiver has no room yet
+
+    def post_with(
+        self, submit: Any, keep: tuple[Region, ...], what: str, owner: OpOwner | None = None, busy_ok: bool = False
+    ) -> Any:
         """Like post(), through a transport's own native call ``submit(op_id) -> status``."""
         op_id = self._next_id
         self._next_id += 1
-        return self._track(op_id, submit(op_id), keep, what, owner)
+        rc = submit(op_id)
+        if busy_ok and rc == lib.HX_E_BUSY:
+            return self.BUSY
+        if rc == 1:  # HX_DONE_INLINE
+            self.completed += 1
+            return None
+        return self._track(op_id, rc, keep, what, owner)
 
     def _track(self, op_id: int, rc: int, keep: tuple[Region, ...], what: str, owner: OpOwner | None) -> Any:
         if rc < 0:
@@ -122,9 +136,8 @@ class Engine:
         waiter = backend.new_waiter()
         for region in keep:
             region.op_started()
-        if owner is not None:
-            owner.op_started()
-        self._ops[op_id] = _Op(waiter, keep, what, owner)
+        tag = owner.op_started() if owner is not None else 0
+        self._ops[op_id] = _Op(waiter, keep, what, owner, tag)
         return waiter
 
     def _ended(self, op: _Op) -> None:
@@ -132,7 +145,7 @@ class Engine:
         for region in op.keep:
             region.op_ended(resolve)
         if op.owner is not None:
-            op.owner.op_ended()
+            op.owner.op_ended(op.tag)
 
     async def wait(self, waiter: Any, timeout: float | None, what: str) -> None:
         backend = self.attach()
@@ -174,10 +187,7 @@ class Engine:
                 c = batch[i]
                 op = self._ops.pop(c.op_id, None)
                 if op is None:
-                    if c.op_id & NOTIFY_FLAG and self.on_notify is not None:
-                        self.on_notify(c.op_id & 0xFFFFFFFF, c.reserved)
-                    else:
-                        self.unknown_completions += 1
+                    self.unknown_completions += 1
                     continue
                 self.completed += 1
                 self._ended(op)
@@ -189,6 +199,8 @@ class Engine:
             waiters, self._slot_waiters = self._slot_waiters, []
             for w in waiters:
                 backend.resolve(w, None)
+        if self.on_wake is not None:
+            self.on_wake()
 
     async def shutdown(self) -> None:
         """Stop native work (queued ops fail as closed), then resolve every op."""

@@ -10,6 +10,7 @@ the listener's task group.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,7 @@ class Listener:
         published: Callable[[], list[bytes]],
         heartbeat: tuple[float, float],
         spawn: Callable[..., None],
+        on_session: Callable[[bytes, str], None],
     ) -> None:
         self.host = host
         self.port = port
@@ -67,6 +69,7 @@ class Listener:
         self.published = published
         self.heartbeat = heartbeat
         self.spawn = spawn
+        self.on_session = on_session
         self.address: str | None = None
         self.sessions: dict[bytes, Served] = {}
         self._listener: Any = None
@@ -154,11 +157,30 @@ class Listener:
                 transport.session_ended(served)
             c.log.info("aiohixl %s: session with %s ended: %s", self.address, label, reason)
 
+        interval, timeout = self.heartbeat
+        channel = next((t for t in self.transports if t.takes_data_connections), None)
+        started, seen = time.monotonic(), False
+
+        def silent() -> str | None:
+            # The peer's native channel tells: its heartbeats reach our native
+            # thread, blocked event loop or not.
+            nonlocal seen
+            state = channel.session_alive(served) if channel is not None else 1
+            if state == 1:
+                seen = True
+                return None
+            if seen or state == 0:
+                return f"its channel ended (no heartbeat for {timeout} s, or closed)"
+            if time.monotonic() - started > max(timeout, HANDSHAKE_TIMEOUT):
+                return "it never opened its channel"
+            return None
+
         handlers: dict[int, Any] = {w.LOOKUP: on_lookup, w.WITHDRAWN_ACK: on_ack}
-        served.session = c.Session(ch, *self.heartbeat, handlers, on_end, label)
+        served.session = c.Session(ch, interval, handlers, on_end, label, silent)
         for transport in self.transports:
             handlers.update(transport.session_handlers(served))
         self.sessions[served.sid] = served
+        self.on_session(served.sid, hello.info.name)
         await ch.send(c.welcome_frame(self.identity(), served.sid, self.published()))
         await served.session.run()
 

@@ -21,6 +21,7 @@ _STATUS = {
     lib.HX_E_INVAL: (errors.InvalidArgument, "invalid argument"),
     lib.HX_E_SYS: (OSError, "system call failed"),
     lib.HX_E_REMOTE: (errors.TransferError, "the target refused the op"),
+    lib.HX_E_SILENT: (errors.ConnectionLost, "the peer went silent (no heartbeat within the heartbeat timeout)"),
 }
 
 

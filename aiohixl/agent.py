@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import anyio
@@ -21,23 +21,11 @@ from .errors import ClosedError, ConnectionLost, ConnectTimeout, InvalidArgument
 from .memkinds import Pinned, pin
 from .memkinds.memfd import allocate as allocate_memfd
 from .memory import Access, Region
+from .notifications import Inbox, Notification
 from .peer import Peer
 from .remote import RemoteRegion
 
-__all__ = ["Agent", "Notification"]
-
-
-class Notification:
-    """A WRITE WITH IMM that landed in this agent's memory: its immediate and length."""
-
-    __slots__ = ("imm", "nbytes")
-
-    def __init__(self, imm: int, nbytes: int) -> None:
-        self.imm = imm
-        self.nbytes = nbytes
-
-    def __repr__(self) -> str:
-        return f"<Notification imm={self.imm:#x} nbytes={self.nbytes}>"
+__all__ = ["Agent"]
 
 
 class Agent:
@@ -86,6 +74,7 @@ class Agent:
         rdma_timeout: int = 14,
         rdma_retry_count: int = 7,
         stall_timeout: float = 10.0,
+        max_notifications: int = 4096,
     ) -> None:
         allowed = _transport_names(transports, "Agent(transports=...)")
         if not 1 <= max_inflight <= 1 << 24:
@@ -94,6 +83,8 @@ class Agent:
             copy_threads = min(4, os.cpu_count() or 1)
         if not 1 <= copy_threads <= 64:
             raise InvalidArgument(f"Agent(copy_threads={copy_threads}): must be in [1, 64]")
+        if not 1 <= max_notifications <= 1 << 20:
+            raise InvalidArgument(f"Agent(max_notifications={max_notifications}): must be in [1, 2**20]")
         if not 0 < heartbeat_interval < heartbeat_timeout:
             raise InvalidArgument(
                 f"Agent(heartbeat_interval={heartbeat_interval}, heartbeat_timeout={heartbeat_timeout}):"
@@ -110,7 +101,9 @@ class Agent:
         self._heartbeat = (heartbeat_interval, heartbeat_timeout)
         self._listener: Listener | None = None
         self.engine = Engine(max_inflight, copy_threads)
-        self.engine.on_notify = self._on_notify
+        self._names: collections.OrderedDict[int, str] = collections.OrderedDict()  # senders, by session key
+        self._inbox = Inbox(self.engine, max_notifications, self._sender_name)
+        self.engine.on_wake = self._inbox.pull
         self._transports = tr.make(
             self,
             allowed,
@@ -121,10 +114,9 @@ class Agent:
                 rdma_timeout=rdma_timeout,
                 rdma_retry_count=rdma_retry_count,
                 stall_timeout=stall_timeout,
+                heartbeat=self._heartbeat,
             ),
         )
-        self._notifications: collections.deque[Notification] = collections.deque()
-        self._notification_waiters: list[Any] = []
         self._regions: dict[int, Region] = {}
         self._named: dict[str, Region] = {}
         self._peers: set[Peer] = set()
@@ -154,6 +146,7 @@ class Agent:
                 self._published,
                 self._heartbeat,
                 backend.spawn,
+                self._on_session,
             )
             try:
                 await listener.start()
@@ -185,24 +178,43 @@ class Agent:
     def heartbeat(self) -> tuple[float, float]:
         return self._heartbeat
 
-    # ---- notifications (RDMA WRITE WITH IMM) ----
+    # ---- notifications ----
 
-    async def notification(self) -> Notification:
-        """The next WRITE WITH IMM that landed in this agent's memory (waits for one)."""
+    async def notification(self, timeout: float | None = None, *, match: bytes | None = None) -> Notification:
+        """The next notification that arrived for this agent (waits for one).
+
+        ``match``: the first one whose data equals it, leaving the others queued.
+        ``timeout``: NotificationTimeout after that many seconds. On a closed
+        agent, ClosedError.
+        """
         self.check_open("Agent.notification")
-        backend = self.engine.attach()
-        while not self._notifications:
-            waiter = backend.new_waiter()
-            self._notification_waiters.append(waiter)
-            await backend.wait(waiter)
-            self.check_open("Agent.notification")
-        return self._notifications.popleft()
+        return await self._inbox.get(timeout, match, "Agent.notification")
 
-    def _on_notify(self, imm: int, nbytes: int) -> None:
-        self._notifications.append(Notification(imm, nbytes))
-        waiters, self._notification_waiters = self._notification_waiters, []
-        for waiter in waiters:
-            self.engine.attach().resolve(waiter, None)
+    async def notifications(self) -> AsyncIterator[Notification]:
+        """Every notification, in arrival order, until the agent closes."""
+        self.check_open("Agent.notifications")
+        while True:
+            try:
+                yield await self._inbox.get(None, None, "Agent.notifications")
+            except ClosedError:
+                return
+
+    @property
+    def notifications_dropped(self) -> int:
+        """Notifications that could not be held back and were dropped (verbs immediates
+        arriving while the queue was full); messages are never dropped."""
+        return self._inbox.dropped
+
+    async def notes_room(self) -> None:
+        await self._inbox.room()
+
+    def _sender_name(self, source: int) -> str | None:
+        return self.name if source == 0 else self._names.get(source)
+
+    def _on_session(self, sid: bytes, name: str) -> None:
+        self._names[int.from_bytes(sid[:8], "little")] = name
+        while len(self._names) > 4096:  # names of ended sessions go, oldest first
+            self._names.popitem(last=False)
 
     @property
     def address(self) -> str | None:
@@ -230,6 +242,7 @@ class Agent:
         if self._closed:
             return
         self._closed = True
+        self._inbox.close()
         if self._listener is not None:
             await self._listener.aclose()
         for peer in list(self._peers):
@@ -425,6 +438,13 @@ class Agent:
                     link = await transport.dial(dial)
                     if link is not None:
                         links.append(link)
+                if links and not any(link.is_channel for link in links):
+                    # Heartbeats and notifications need a native channel of their own.
+                    maker = next(t for t in self._transports.values() if t.makes_channels)
+                    channel = await maker.dial(dial)
+                    if channel is None:
+                        raise ConnectionLost(f"{what}: could not open the native channel")
+                    links.append(channel)
         except TimeoutError:
             await _abandon(ch, links)
             raise ConnectTimeout(f"{what}: no answer within {timeout} s") from None
@@ -437,7 +457,10 @@ class Agent:
         if not links:
             await _abandon(ch, links)
             raise InvalidArgument(f"{what}: no usable transport (allowed {wanted}, peer offers {info.transports})")
-        peer = Peer(self, links, info.agent_id, info.name, info=info)
+        channel = next(link for link in links if link.is_channel)
+        if channel is links[-1] and len(links) > 1 and channel.name not in wanted:
+            links.pop()  # a channel only, not a path for data
+        peer = Peer(self, links, info.agent_id, info.name, info=info, channel=channel)
         self._peers.add(peer)
         peer.start_session(ch)
         return peer

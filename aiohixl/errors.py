@@ -26,6 +26,7 @@ __all__ = [
     "ProtocolError",
     "TransferError",
     "TransferTimeout",
+    "NotificationTimeout",
 ]
 
 
@@ -87,3 +88,7 @@ class TransferError(HixlError):
 
 class TransferTimeout(TransferError, TimeoutError):
     """The caller stopped waiting. The op may still complete in the background."""
+
+
+class NotificationTimeout(HixlError, TimeoutError):
+    """Agent.notification(timeout=...) saw no (matching) notification in time."""

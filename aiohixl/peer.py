@@ -10,7 +10,7 @@ import anyio
 from . import _control as c
 from . import _wire as w
 from ._engine import Engine
-from ._native import lib
+from ._native import lib, status_error
 from .descriptor import RegionInfo, decode
 from .errors import (
     AccessDenied,
@@ -24,6 +24,7 @@ from .errors import (
     RegionUnavailable,
 )
 from .memory import Access, Region, RegionSlice
+from .notifications import note_bytes
 from .remote import RemoteRegion, RemoteSlice
 from .transports.base import Link, Pair
 
@@ -48,6 +49,8 @@ class PeerOwner(Protocol):
 
     def heartbeat(self) -> tuple[float, float]: ...
 
+    async def notes_room(self) -> None: ...
+
 
 class Peer:
     """A connection to an agent (possibly this one) that ops go through.
@@ -64,9 +67,15 @@ class Peer:
         remote_id: bytes,
         name: str | None,
         info: c.PeerInfo | None = None,
+        channel: Link | None = None,
     ):
         self.agent = agent
         self.links = links  # in order of preference: a region goes over the first that reaches it
+        # Carries notifications and heartbeats: one of the links, or a link of its own.
+        self.channel = channel or links[0]
+        self._own_channel = self.channel not in links
+        # A notification needs no fence when it follows the data on one ordered link.
+        self._ordered = len(links) == 1 and links[0] is self.channel and self.channel.ordered_notes
         self.remote_id = remote_id
         self.transport = links[0].name
         self.name = name
@@ -83,6 +92,10 @@ class Peer:
         # one link that reaches every region as it is: no routing per op
         self._one_route = links[0] if len(links) == 1 and links[0].reaches_all else None
         self._ops = 0  # ops posted and not yet completed (counted by the engine)
+        # Fences: ops are counted per epoch; a fence waits for every epoch up to its own.
+        self._epoch = 0
+        self._epoch_ops: dict[int, int] = {}
+        self._fences: list[tuple[int, Any]] = []
         self._free_pending = False
         self._freed = False
 
@@ -95,13 +108,22 @@ class Peer:
 
     def start_session(self, ch: c.Channel) -> None:
         interval, timeout = self.agent.heartbeat()
+
+        def silent() -> str | None:
+            # The channel's native side hears the peer's heartbeats, whatever
+            # either event loop is doing.
+            status = self.channel.failed if not self._freed else 0
+            if status == lib.HX_E_SILENT:
+                return f"no heartbeat for {timeout} s"
+            return None if not status else "its channel broke"
+
         self._session = c.Session(
             ch,
             interval,
-            timeout,
             {w.REGION: self._on_region, w.WITHDRAWN: self._on_withdrawn},
             self._on_session_end,
             f"peer {self.name!r}",
+            silent,
         )
         self.agent.engine.attach().spawn(self._session.run, f"aiohixl-peer-{self.name}")
 
@@ -139,7 +161,7 @@ class Peer:
         if self._broken is None:
             self._broken = reason if isinstance(reason, ConnectionLost) else ConnectionLost(str(reason))
         if not self.closed:
-            for link in self.links:
+            for link in self._all_links():
                 link.fail(lib.HX_E_CONNLOST)
         for event, _ in self._lookups.values():
             event.set()
@@ -243,14 +265,23 @@ class Peer:
     # ---- ops ----
 
     async def put(
-        self, remote: RemoteRef, local: LocalRef, *, timeout: float | None = None, imm: int | None = None
+        self,
+        remote: RemoteRef,
+        local: LocalRef,
+        *,
+        timeout: float | None = None,
+        notify: bytes | None = None,
+        imm: int | None = None,
     ) -> None:
         """Write ``local`` into ``remote``. Returns once the bytes are in the peer's memory.
 
-        ``imm`` (verbs only): send it as an RDMA WRITE WITH IMM; the target's
-        ``agent.notification()`` then yields it once the bytes are in place.
+        ``notify`` (up to 4 KiB): the target's ``agent.notification()`` yields it
+        once every byte of this put is in place (and never if the put fails); the
+        call returns once it is queued there. ``imm`` (verbs only): send the last
+        write as an RDMA WRITE WITH IMM, which the target's ``notification()``
+        yields with ``.imm`` set.
         """
-        await self._transfer(lib.HX_OP_PUT, ((remote, local),), timeout, "Peer.put", imm)
+        await self._transfer(lib.HX_OP_PUT, ((remote, local),), timeout, "Peer.put", imm, notify)
 
     async def get(self, local: LocalRef, remote: RemoteRef, *, timeout: float | None = None) -> None:
         """Read ``remote`` into ``local``. Returns once the bytes are in local memory."""
@@ -261,13 +292,29 @@ class Peer:
         pairs: Iterable[tuple[RemoteRef, LocalRef]],
         *,
         timeout: float | None = None,
+        notify: bytes | None = None,
         imm: int | None = None,
     ) -> None:
         """Many puts, ``(remote, local)`` pairs, in one native submission and one awaitable.
 
-        With ``imm`` (verbs only) the last write carries it, after all the others.
+        ``notify``: one message, delivered once every pair has landed. With ``imm``
+        (verbs only) the last write carries it, after all the others.
         """
-        await self._transfer(lib.HX_OP_PUT, tuple(pairs), timeout, "Peer.put_many", imm)
+        await self._transfer(lib.HX_OP_PUT, tuple(pairs), timeout, "Peer.put_many", imm, notify)
+
+    async def notify(self, data: bytes, *, timeout: float | None = None) -> None:
+        """Send ``data`` (up to 4 KiB) alone: the target's ``agent.notification()`` yields it
+        after every op issued earlier on this peer has landed. Returns once it is queued there."""
+        what = "Peer.notify"
+        data = note_bytes(data, what)
+        self._check_open(what)
+        engine = self.agent.engine
+        if engine.full:
+            await engine.admit()
+            self._check_open(what)
+        if not self._ordered:
+            await self._fence()  # earlier ops travel other ways: wait until they landed
+        await self._send_note(data, 0, timeout, what)
 
     async def get_many(self, pairs: Iterable[tuple[LocalRef, RemoteRef]], *, timeout: float | None = None) -> None:
         """Many gets, ``(local, remote)`` pairs, in one native submission and one awaitable."""
@@ -280,7 +327,10 @@ class Peer:
         timeout: float | None,
         what: str,
         imm: int | None = None,
+        notify: bytes | None = None,
     ) -> None:
+        if notify is not None:
+            notify = note_bytes(notify, what)
         self._check_open(what)
         engine = self.agent.engine
         if engine.full:
@@ -290,6 +340,8 @@ class Peer:
             engine.attach()
         checked = self._checked(opcode, pairs, what)
         if not checked:
+            if notify is not None:  # nothing to wait for: the message alone
+                await self._send_note(notify, 0, timeout, what)
             return
         if imm is not None and not 0 <= imm <= 0xFFFFFFFF:
             raise InvalidArgument(f"{what}: imm={imm} is not a 32-bit unsigned value")
@@ -301,12 +353,45 @@ class Peer:
                 if imm is not None and not link.carries_imm:
                     raise InvalidArgument(f"{what}: imm= needs the verbs transport; this op goes over {path}")
                 waiters += link.post(engine, opcode, group, what, self, imm)
-        if not waiters:
+        if notify is not None and self._ordered and waiters:
+            # Behind the data on the same ordered connection: the target places
+            # the data first, and drops the message if the op was refused.
+            note = self.channel.note(engine, notify, engine.last_op_id, what, self)
+            if note is not None and note is not engine.BUSY:
+                waiters.append(note)
+            notify = None if note is not engine.BUSY else notify
+        if waiters:
+            try:
+                await engine.wait_all(waiters, timeout, what)
+            except HixlError as exc:
+                raise self._explain(exc, what) from None
+        if notify is not None:  # the data has landed; now the message
+            await self._send_note(notify, 0, timeout, what)
+
+    async def _send_note(self, data: bytes, dep: int, timeout: float | None, what: str) -> None:
+        engine = self.agent.engine
+        while True:
+            self._check_open(what)
+            waiter = self.channel.note(engine, data, dep, what, self)
+            if waiter is not engine.BUSY:
+                break
+            await self.agent.notes_room()  # a loopback peer's own queue is full: wait for room
+        if waiter is not None:
+            try:
+                await engine.wait_all([waiter], timeout, what)
+            except HixlError as exc:
+                raise self._explain(exc, what) from None
+
+    async def _fence(self) -> None:
+        """Return once every op this peer posted before the call has completed."""
+        epoch = self._epoch
+        self._epoch += 1
+        if not any(e <= epoch for e in self._epoch_ops):
             return
-        try:
-            await engine.wait_all(waiters, timeout, what)
-        except HixlError as exc:
-            raise self._explain(exc, what) from None
+        backend = self.agent.engine.attach()
+        waiter = backend.new_waiter()
+        self._fences.append((epoch, waiter))
+        await backend.wait(waiter)
 
     def _checked(self, opcode: int, pairs: tuple[tuple[Any, Any], ...], what: str) -> list[Pair]:
         """Each pair checked as far as this side can: lengths, ownership, rights, liveness."""
@@ -349,10 +434,11 @@ class Peer:
     def _explain(self, exc: HixlError, what: str) -> HixlError:
         """The error to raise for a failed op: a broken path says so, and why."""
         if self._broken is None:
-            for link in self.links:
-                if link.failed:
+            for link in self._all_links():
+                status = link.failed
+                if status:
                     # e.g. RC semantics: an error puts the queue pair in error; connect again.
-                    self._broken = ConnectionLost(f"{link.name} path in error after {type(exc).__name__}")
+                    self._broken = ConnectionLost(f"{link.name}: {status_error(status, 'path in error')}")
                     break
         if isinstance(exc, ConnectionLost) and self._broken is not None:
             return self._lost(what)
@@ -381,13 +467,35 @@ class Peer:
 
     # ---- accounting and lifetime ----
 
-    def op_started(self) -> None:
+    def op_started(self) -> int:
         self._ops += 1
+        epoch = self._epoch
+        self._epoch_ops[epoch] = self._epoch_ops.get(epoch, 0) + 1
+        return epoch
 
-    def op_ended(self) -> None:
+    def op_ended(self, epoch: int) -> None:
         self._ops -= 1
+        left = self._epoch_ops[epoch] - 1
+        if left:
+            self._epoch_ops[epoch] = left
+        else:
+            del self._epoch_ops[epoch]
+            if self._fences:
+                self._release_fences()
         if self._ops == 0 and self._free_pending:
             self.free()
+
+    def _release_fences(self) -> None:
+        oldest = min(self._epoch_ops, default=self._epoch)
+        ready = [f for f in self._fences if f[0] < oldest]
+        if ready:
+            self._fences = [f for f in self._fences if f[0] >= oldest]
+            backend = self.agent.engine.attach()
+            for _, waiter in ready:
+                backend.resolve(waiter, None)
+
+    def _all_links(self) -> list[Link]:
+        return [*self.links, self.channel] if self._own_channel else self.links
 
     async def aclose(self) -> None:
         """Close the peer; its outstanding ops fail with ClosedError."""
@@ -412,11 +520,11 @@ class Peer:
 
     def close_links(self) -> None:
         self.closed = True
-        for link in self.links:
+        for link in self._all_links():
             link.close()
 
     async def release_links(self) -> None:
-        for link in self.links:
+        for link in self._all_links():
             await link.aclose()
 
     def free(self) -> None:
@@ -426,7 +534,7 @@ class Peer:
         self._freed = True
         self._free_pending = False
         self.agent.forget_peer(self)
-        for link in self.links:
+        for link in self._all_links():
             link.free()
 
     def __repr__(self) -> str:

@@ -29,6 +29,7 @@ hx_agent *hx_agent_new(uint32_t ring_capacity, uint32_t copy_threads, int *statu
     pthread_mutex_init(&a->pool_lock, NULL);
     pthread_cond_init(&a->pool_work, NULL);
     atomic_init(&a->next_peer_id, 1);
+    hx_notes_init(a);
     for (int t = 0; t < HX_NTRANSPORTS; t++) {
         int rc = hx_transports[t]->init ? hx_transports[t]->init(a) : HX_OK;
         if (rc != HX_OK) {
@@ -70,6 +71,7 @@ void hx_agent_free(hx_agent *a)
     for (int t = 0; t < HX_NTRANSPORTS; t++)
         if (hx_transports[t]->free)
             hx_transports[t]->free(a);
+    hx_notes_free(a);
     close(a->wake_fd);
     free(a->ring);
     free(a->threads);

@@ -24,6 +24,18 @@ int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uin
     return p->ops->post(p, opcode, op_id, sges, n);
 }
 
+int hx_peer_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len)
+{
+    if (atomic_load(&p->closed))
+        return HX_E_CLOSED;
+    int failed = atomic_load(&p->failed);
+    if (failed)
+        return failed;
+    if (len > HX_NOTE_MAX || !p->ops->note)
+        return HX_E_INVAL;
+    return p->ops->note(p, op_id, dep, data, len);
+}
+
 void hx_peer_close(hx_peer *p)
 {
     if (atomic_exchange(&p->closed, true))

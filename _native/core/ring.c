@@ -1,27 +1,10 @@
-/* The completion ring and its wake fd: every transport's completions (and
- * verbs' notifications) reach Python through here. */
+/* The completion ring and its wake fd: every transport's completions reach
+ * Python through here (notifications wake it through the same fd). */
 #include "internal.h"
 #include <unistd.h>
 
-/* Pushes one entry; with must_fit false a full ring drops it. */
-static void ring_push(hx_agent *a, uint64_t op_id, int status, uint32_t reserved, bool must_fit)
+static void wake_unlocked(hx_agent *a, bool wake)
 {
-    pthread_mutex_lock(&a->ring_lock);
-    /* Never drop a completion: the Python side admits at most ring_cap ops,
-     * so this wait is a safety net, not a path. */
-    while (a->ring_count == a->ring_cap) {
-        if (!must_fit) {
-            pthread_mutex_unlock(&a->ring_lock);
-            return;
-        }
-        pthread_cond_wait(&a->ring_space, &a->ring_lock);
-    }
-    uint32_t tail = (a->ring_head + a->ring_count) % a->ring_cap;
-    a->ring[tail] = (hx_completion){.op_id = op_id, .status = status, .reserved = reserved};
-    a->ring_count++;
-    bool wake = !a->signaled;
-    a->signaled = true;
-    pthread_mutex_unlock(&a->ring_lock);
     if (wake) {
         /* One write per batch: the reader takes everything queued meanwhile. */
         uint64_t one = 1;
@@ -30,13 +13,29 @@ static void ring_push(hx_agent *a, uint64_t op_id, int status, uint32_t reserved
     }
 }
 
-void hx_complete(hx_agent *a, uint64_t op_id, int status) { ring_push(a, op_id, status, 0, true); }
-
-void hx_notify(hx_agent *a, uint32_t imm, uint32_t len)
+void hx_wake(hx_agent *a)
 {
-    /* Notifications are not admitted like ops: when the ring is full one is
-     * dropped rather than blocking the completion thread. */
-    ring_push(a, HX_NOTIFY_FLAG | imm, HX_OK, len, false);
+    pthread_mutex_lock(&a->ring_lock);
+    bool wake = !a->signaled;
+    a->signaled = true;
+    pthread_mutex_unlock(&a->ring_lock);
+    wake_unlocked(a, wake);
+}
+
+void hx_complete(hx_agent *a, uint64_t op_id, int status)
+{
+    pthread_mutex_lock(&a->ring_lock);
+    /* Never drop a completion: the Python side admits at most ring_cap ops,
+     * so this wait is a safety net, not a path. */
+    while (a->ring_count == a->ring_cap)
+        pthread_cond_wait(&a->ring_space, &a->ring_lock);
+    uint32_t tail = (a->ring_head + a->ring_count) % a->ring_cap;
+    a->ring[tail] = (hx_completion){.op_id = op_id, .status = status};
+    a->ring_count++;
+    bool wake = !a->signaled;
+    a->signaled = true;
+    pthread_mutex_unlock(&a->ring_lock);
+    wake_unlocked(a, wake);
 }
 
 int hx_agent_drain(hx_agent *a, hx_completion *out, int max)

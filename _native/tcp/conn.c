@@ -17,7 +17,7 @@ void tcp_update_interest(hx_agent *a, conn *c)
     if (c->broken)
         return;
     uint32_t want = EPOLLRDHUP;
-    if (!c->target || c->outq < OUTQ_HIGH)
+    if ((!c->target || c->outq < OUTQ_HIGH) && !c->note_held)
         want |= EPOLLIN;
     if (c->unsent)
         want |= EPOLLOUT;
@@ -80,6 +80,8 @@ int tcp_flush_budget(hx_agent *a, conn *c, uint64_t budget)
             return -1;
         }
         uint64_t left = (uint64_t)w;
+        if (w > 0)
+            c->last_tx_ns = tcp_now_ns();
         budget = budget > left ? budget - left : 0;
         while (left && c->unsent) {
             frame *f = c->unsent;
@@ -124,8 +126,9 @@ void tcp_conn_fail(hx_agent *a, conn *c, int status)
 {
     /* A local close or give-up, asked for before the socket broke (the peer
      * may close because we did), says why better than the socket does. */
-    int failed = atomic_load(&c->base.failed);
-    if (failed)
+    int failed = 0;
+    /* Recorded on the peer: later posts fail at once, and Python can ask why. */
+    if (!atomic_compare_exchange_strong(&c->base.failed, &failed, status))
         status = failed;
     pthread_mutex_lock(&c->lock);
     if (c->broken) {
@@ -195,7 +198,8 @@ static void tcp_destroy(hx_peer *p)
     tcp_io_wake(io);
 }
 
-static const hx_peer_ops tcp_ops = {tcp_post, tcp_fail, tcp_destroy};
+static const hx_peer_ops tcp_ops = {
+    .post = tcp_post, .note = tcp_note, .fail = tcp_fail, .destroy = tcp_destroy};
 
 conn *tcp_conn_add(hx_agent *a, int fd, bool target, uint64_t session, int *status)
 {
@@ -219,6 +223,7 @@ conn *tcp_conn_add(hx_agent *a, int fd, bool target, uint64_t session, int *stat
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
     c->events = EPOLLIN | EPOLLRDHUP;
+    c->last_rx_ns = c->last_tx_ns = tcp_now_ns();
     pthread_mutex_lock(&t->lock);
     if (io->stopped) {
         pthread_mutex_unlock(&t->lock);

@@ -2,6 +2,7 @@
  * to the oldest chunk outstanding. */
 #include "tcp.h"
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #define HX_INLINE_SEND (256u * 1024u) /* bytes a submitting thread may send itself */
@@ -14,6 +15,77 @@ hx_peer *hx_tcp_connect_fd(hx_agent *a, int fd, int *status)
         return NULL;
     }
     return &c->base;
+}
+
+/* Queues an op's frames and sends what fits on this thread: small ops go
+ * out at once, the I/O thread streams the rest, so the caller's event loop
+ * never waits on a big send. Frees them when the connection is gone. */
+static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count)
+{
+    int rc = HX_POSTED;
+    pthread_mutex_lock(&c->lock);
+    if (c->broken) {
+        rc = HX_E_CONNLOST;
+    } else {
+        tcp_append_locked(c, first, last, (uint32_t)count);
+        if (tcp_flush_budget(a, c, HX_INLINE_SEND) < 0) {
+            /* The I/O thread fails this op with the rest. */
+            atomic_store(&c->fail_req, HX_E_CONNLOST);
+            tcp_io_wake(T(a)->io);
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return rc;
+}
+
+int tcp_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len)
+{
+    conn *c = (conn *)p;
+    tcp_op *op = calloc(1, sizeof *op);
+    frame *f = calloc(1, sizeof *f);
+    uint8_t *copy = len ? malloc(len) : NULL;
+    if (!op || !f || (len && !copy)) {
+        free(op);
+        free(f);
+        free(copy);
+        return HX_E_NOMEM;
+    }
+    if (len)
+        memcpy(copy, data, len);
+    op->op_id = op_id;
+    op->remaining = 1;
+    tcp_put_req(f->hdr, &(tcp_req){.op = W_NOTE, .off = dep, .len = len, .op_id = op_id});
+    f->hdrlen = REQ_SIZE;
+    f->op = op;
+    f->op_id = op_id;
+    f->opcode = OP_NOTE;
+    f->owned = copy;
+    f->data = copy;
+    f->datalen = len;
+    int rc = submit(p->agent, c, f, f, 1);
+    if (rc != HX_POSTED) {
+        free(copy);
+        free(f);
+        free(op);
+    }
+    return rc;
+}
+
+void tcp_beacon_locked(hx_agent *a, conn *c)
+{
+    frame *f = calloc(1, sizeof *f);
+    if (!f)
+        return; /* the next tick tries again */
+    if (c->target) {
+        tcp_put_resp(f->hdr, &(tcp_resp){.kind = R_ALIVE});
+        f->hdrlen = RESP_SIZE;
+    } else {
+        tcp_put_req(f->hdr, &(tcp_req){.op = W_PING});
+        f->hdrlen = REQ_SIZE;
+        f->opcode = OP_PING;
+    }
+    tcp_append_locked(c, f, f, 1);
+    tcp_flush_locked(a, c);
 }
 
 int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n)
@@ -67,21 +139,8 @@ int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_
     }
     if (rc == HX_OK) {
         op->remaining = count;
-        pthread_mutex_lock(&c->lock);
-        if (c->broken) {
-            rc = HX_E_CONNLOST;
-        } else {
-            tcp_append_locked(c, first, last, count);
-            /* Small ops go out on this thread; the I/O thread streams the
-             * rest, so the caller's event loop never waits on a big send. */
-            if (tcp_flush_budget(a, c, HX_INLINE_SEND) < 0) {
-                /* The I/O thread fails this op with the rest. */
-                atomic_store(&c->fail_req, HX_E_CONNLOST);
-                tcp_io_wake(T(a)->io);
-            }
-        }
-        pthread_mutex_unlock(&c->lock);
-        if (rc == HX_OK)
+        rc = submit(a, c, first, last, count);
+        if (rc == HX_POSTED)
             return HX_POSTED;
     }
     while (first) {
@@ -123,6 +182,8 @@ int tcp_initiator_response(hx_agent *a, conn *c)
     tcp_resp r;
     if (tcp_get_resp(c->rhdr, &r) < 0)
         return -1;
+    if (r.kind == R_ALIVE)
+        return r.len == 0 ? 0 : -1; /* the target's heartbeat: answers nothing */
     pthread_mutex_lock(&c->lock);
     frame *f = c->head;
     bool sent = f && f != c->unsent;
@@ -132,7 +193,13 @@ int tcp_initiator_response(hx_agent *a, conn *c)
     int status = sanitize_remote_status(r.status);
     if (r.op_id != f->op_id)
         return -1;
-    if (f->opcode == HX_OP_PUT) {
+    if (f->opcode == OP_PING) {
+        if (r.kind != R_PONG || r.len != 0)
+            return -1;
+        tcp_chunk_done(a, c, f, HX_OK);
+        return 0;
+    }
+    if (f->opcode == HX_OP_PUT || f->opcode == OP_NOTE) {
         if (r.kind != R_ACK || r.len != 0)
             return -1;
         tcp_chunk_done(a, c, f, status);

@@ -15,7 +15,7 @@
 
 static __thread uint8_t scratch[1 << 16]; /* payloads of refused PUTs go here */
 
-static uint64_t now_ns(void)
+uint64_t tcp_now_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -34,8 +34,8 @@ void tcp_io_wake(tcp_io *io)
 static int conn_read(hx_agent *a, conn *c)
 {
     for (;;) {
-        if (c->target && c->outq >= OUTQ_HIGH)
-            return 0; /* back-pressure: answer first */
+        if ((c->target && c->outq >= OUTQ_HIGH) || c->note_held)
+            return 0; /* back-pressure: answer first, or wait for room for the notification */
         ssize_t r;
         if (c->in_payload) {
             uint8_t *dst = c->rdst ? c->rdst + c->rdone : scratch;
@@ -56,8 +56,7 @@ static int conn_read(hx_agent *a, conn *c)
                 return 0;
             return -2;
         }
-        if (c->target)
-            c->last_rx_ns = now_ns();
+        c->last_rx_ns = tcp_now_ns();
         if (c->in_payload) {
             c->rdone += (uint64_t)r;
             if (c->rdone < c->rlen)
@@ -111,11 +110,53 @@ static void sweep(hx_agent *a)
 static void cut_stalled(hx_agent *a)
 {
     tcp_agent *t = T(a);
-    uint64_t now = now_ns();
+    uint64_t now = tcp_now_ns();
     pthread_mutex_lock(&t->lock);
     for (conn *c = t->io->conns; c; c = c->next_all)
         if (c->target && c->in_payload && !c->broken && now - c->last_rx_ns > t->stall_ns)
             atomic_store(&c->fail_req, HX_E_PROTO);
+    pthread_mutex_unlock(&t->lock);
+}
+
+/* Heartbeats: a beacon where nothing was sent for an interval; a connection
+ * that heard nothing for the timeout fails, unless we hold its sender back. */
+static void heartbeat(hx_agent *a)
+{
+    tcp_agent *t = T(a);
+    uint64_t now = tcp_now_ns();
+    pthread_mutex_lock(&t->lock);
+    for (conn *c = t->io->conns; c; c = c->next_all) {
+        if (c->broken)
+            continue;
+        pthread_mutex_lock(&c->lock);
+        bool holding = c->note_held || (c->target && c->outq >= OUTQ_HIGH);
+        if (holding)
+            c->last_rx_ns = now;
+        else if (now - c->last_rx_ns > t->hb_timeout_ns)
+            atomic_store(&c->fail_req, HX_E_SILENT);
+        if (now - c->last_tx_ns >= t->hb_interval_ns && !c->unsent)
+            tcp_beacon_locked(a, c);
+        pthread_mutex_unlock(&c->lock);
+    }
+    pthread_mutex_unlock(&t->lock);
+}
+
+/* The agent's notification queue has room: release held notifications. */
+static void resume_notes(hx_agent *a)
+{
+    tcp_agent *t = T(a);
+    pthread_mutex_lock(&t->lock);
+    for (conn *c = t->io->conns; c; c = c->next_all) {
+        if (c->broken || !c->note_held)
+            continue;
+        if (tcp_target_note_retry(a, c) < 0) {
+            atomic_store(&c->fail_req, HX_E_CONNLOST);
+            continue;
+        }
+        pthread_mutex_lock(&c->lock);
+        tcp_update_interest(a, c); /* reading resumes: what waits in the socket comes next */
+        pthread_mutex_unlock(&c->lock);
+    }
     pthread_mutex_unlock(&t->lock);
 }
 
@@ -125,11 +166,18 @@ static void *io_main(void *arg)
     tcp_agent *t = T(a);
     tcp_io *io = t->io;
     struct epoll_event evs[64];
-    uint64_t active_until = 0, next_stall_check = 0;
+    uint64_t active_until = 0, next_stall_check = 0, next_beat = 0;
     while (!atomic_load(&io->stop)) {
         /* A short spin after activity saves the wake-up of a blocked thread
-         * for the next frame of a burst; an idle agent blocks. */
-        int timeout = now_ns() < active_until ? 0 : (io->payloads ? 1000 : -1);
+         * for the next frame of a burst; an idle agent blocks, waking only
+         * for heartbeats while it has connections. */
+        int timeout = tcp_now_ns() < active_until ? 0 : (io->payloads ? 1000 : -1);
+        if (timeout != 0 && t->hb_interval_ns && io->conns) {
+            uint64_t now = tcp_now_ns();
+            int beat_ms = next_beat > now ? (int)((next_beat - now) / 1000000) + 1 : 0;
+            if (timeout < 0 || beat_ms < timeout)
+                timeout = beat_ms;
+        }
         int n = epoll_wait(io->epfd, evs, 64, timeout);
         if (n < 0) {
             if (errno == EINTR)
@@ -137,7 +185,7 @@ static void *io_main(void *arg)
             break;
         }
         if (n > 0)
-            active_until = now_ns() + SPIN_NS;
+            active_until = tcp_now_ns() + SPIN_NS;
         else if (timeout == 0)
             sched_yield(); /* spinning: let the application's threads have the core */
         bool sweep_needed = false;
@@ -183,9 +231,17 @@ static void *io_main(void *arg)
                 }
             }
         }
-        if (io->payloads && now_ns() >= next_stall_check) {
+        if (atomic_exchange(&io->note_space, false))
+            resume_notes(a);
+        if (t->hb_interval_ns && tcp_now_ns() >= next_beat) {
+            heartbeat(a);
+            /* a quarter interval: silence is seen within a quarter of it */
+            next_beat = tcp_now_ns() + t->hb_interval_ns / 4;
+            sweep_needed = true;
+        }
+        if (io->payloads && tcp_now_ns() >= next_stall_check) {
             cut_stalled(a);
-            next_stall_check = now_ns() + 1000000000ull;
+            next_stall_check = tcp_now_ns() + 1000000000ull;
             sweep_needed = true;
         }
         if (sweep_needed)
@@ -305,6 +361,28 @@ static void tcp_free(hx_agent *a)
     a->state[HX_TRANSPORT_TCP] = NULL;
 }
 
-const hx_transport hx_tcp_transport = {"tcp", tcp_init, tcp_shutdown, tcp_free};
+static void tcp_note_space(hx_agent *a)
+{
+    tcp_agent *t = T(a);
+    pthread_mutex_lock(&t->lock);
+    tcp_io *io = t->io && !t->io->stopped ? t->io : NULL;
+    if (io) {
+        atomic_store(&io->note_space, true);
+        tcp_io_wake(io);
+    }
+    pthread_mutex_unlock(&t->lock);
+}
+
+const hx_transport hx_tcp_transport = {.name = "tcp",
+                                       .init = tcp_init,
+                                       .shutdown = tcp_shutdown,
+                                       .free = tcp_free,
+                                       .note_space = tcp_note_space};
 
 void hx_agent_set_stall(hx_agent *a, uint64_t ns) { T(a)->stall_ns = ns; }
+
+void hx_agent_set_heartbeat(hx_agent *a, uint64_t interval_ns, uint64_t timeout_ns)
+{
+    T(a)->hb_interval_ns = interval_ns;
+    T(a)->hb_timeout_ns = timeout_ns;
+}

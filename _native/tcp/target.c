@@ -82,12 +82,52 @@ static int enqueue_response(hx_agent *a, conn *c, int kind, int status, uint64_t
     return rc < 0 ? -2 : 0;
 }
 
+/* A notification has all arrived: queue it with the agent, unless the op it
+ * follows was refused; hold it (and stop reading) while the queue is full. */
+static int note_done(hx_agent *a, conn *c)
+{
+    int status = HX_OK;
+    if (c->note_dep && c->note_dep == c->refused_op) {
+        status = c->refused_status;
+    } else {
+        int rc = hx_note_push(a, c->session, c->note_buf, c->note_len, 0, 0, 0);
+        if (rc == HX_E_BUSY) {
+            c->note_held = true;
+            return 0;
+        }
+        if (rc != HX_OK)
+            status = HX_E_REMOTE;
+    }
+    c->note_held = false;
+    c->rnote = false;
+    return enqueue_response(a, c, R_ACK, status, c->note_id, NULL, 0, NULL);
+}
+
+int tcp_target_note_retry(hx_agent *a, conn *c) { return c->note_held ? note_done(a, c) : 0; }
+
 /* A request header is complete: check it, then set up its payload or answer it. */
 int tcp_target_request(hx_agent *a, conn *c)
 {
     tcp_req q;
     if (tcp_get_req(c->rhdr, &q) < 0)
         return -1;
+    if (q.op == W_PING)
+        return enqueue_response(a, c, R_PONG, HX_OK, q.op_id, NULL, 0, NULL);
+    if (q.op == W_NOTE) {
+        c->rnote = true;
+        c->note_id = q.op_id;
+        c->note_dep = q.off;
+        c->note_len = (uint32_t)q.len;
+        if (q.len == 0)
+            return note_done(a, c);
+        c->rdst = c->note_buf;
+        c->rregion = NULL;
+        c->rlen = q.len;
+        c->rdone = 0;
+        c->in_payload = true;
+        T(a)->io->payloads++;
+        return 0;
+    }
     uint8_t *ptr = NULL;
     hx_region *r = NULL;
     if (q.op == W_GET) {
@@ -109,11 +149,36 @@ int tcp_target_request(hx_agent *a, conn *c)
 
 int tcp_target_payload_done(hx_agent *a, conn *c)
 {
+    c->in_payload = false;
+    T(a)->io->payloads--;
+    if (c->rnote)
+        return note_done(a, c);
     if (c->rregion) {
         hx_region_release(c->rregion);
         c->rregion = NULL;
     }
-    c->in_payload = false;
-    T(a)->io->payloads--;
+    if (c->rstatus != HX_OK) {
+        /* A notification that follows this op must not be delivered. */
+        c->refused_op = c->rop_id;
+        c->refused_status = c->rstatus;
+    }
     return enqueue_response(a, c, R_ACK, c->rstatus, c->rop_id, NULL, 0, NULL);
+}
+
+int hx_tcp_session_alive(hx_agent *a, uint64_t session)
+{
+    tcp_agent *t = T(a);
+    int state = -1;
+    pthread_mutex_lock(&t->lock);
+    if (t->io)
+        for (conn *c = t->io->conns; c; c = c->next_all)
+            if (c->target && c->session == session) {
+                if (!c->broken && !atomic_load(&c->fail_req)) {
+                    state = 1;
+                    break;
+                }
+                state = 0;
+            }
+    pthread_mutex_unlock(&t->lock);
+    return state;
 }

@@ -13,6 +13,16 @@
  * is read into a scratch buffer and dropped. A frame that breaks the protocol
  * closes that connection and no other.
  *
+ * Notifications (W_NOTE) travel on the same connection, after the data of
+ * the op they follow, so the target places that data first; the target queues
+ * the message with the agent (holding the sender back while the queue is
+ * full) and acknowledges it. Heartbeats: the initiator sends W_PING when it
+ * has sent nothing for a heartbeat interval (answered R_PONG, in order), the
+ * target R_ALIVE (unsolicited, skipped by the matching); a side that hears
+ * nothing for the heartbeat timeout fails the connection with HX_E_SILENT,
+ * unless it is itself holding the other side back. All of it on the native
+ * thread: a blocked event loop stops none of it.
+ *
  * Files: wire.c (frame headers), conn.c (connections: send queue, failure,
  * lifetime), initiator.c, target.c, io.c (the I/O thread and the transport's
  * agent state). This header is private to them.
@@ -26,8 +36,10 @@
 #define HX_TCP_CHUNK (1u << 20)
 #define OUTQ_HIGH 512 /* target stops reading requests above this many queued responses */
 
-enum { W_PUT = 1, W_GET = 2 };
-enum { R_ACK = 1, R_DATA = 2 };
+enum { W_PUT = 1, W_GET = 2, W_NOTE = 3, W_PING = 4 };
+enum { R_ACK = 1, R_DATA = 2, R_PONG = 3, R_ALIVE = 4 };
+/* Initiator frames that are no put or get (frame.opcode). */
+enum { OP_NOTE = 3, OP_PING = 4 };
 
 /* An initiator's op: done when its last chunk is answered. */
 typedef struct tcp_op {
@@ -81,7 +93,15 @@ typedef struct conn {
     hx_region *rregion;
     uint64_t rop_id;
     frame *rframe;
-    uint64_t last_rx_ns;
+    uint64_t last_rx_ns, last_tx_ns;
+    /* target: the notification being received, or held while the agent's
+     * queue is full (reading stops meanwhile); the last refused op */
+    bool rnote, note_held;
+    uint32_t note_len;
+    uint64_t note_id, note_dep;
+    uint64_t refused_op;
+    int refused_status;
+    uint8_t note_buf[HX_NOTE_MAX];
 } conn;
 
 /* The I/O thread, started with the agent's first tcp connection. */
@@ -93,6 +113,7 @@ typedef struct tcp_io {
     atomic_bool stop;
     conn *conns; /* guarded by tcp_agent.lock */
     bool stopped;
+    atomic_bool note_space; /* the agent's notification queue has room again */
 } tcp_io;
 
 /* The transport's state in an agent: a->state[HX_TRANSPORT_TCP], made when
@@ -104,6 +125,7 @@ typedef struct tcp_agent {
     pthread_mutex_t lock; /* io, and io->conns */
     tcp_io *io;
     uint64_t stall_ns;
+    uint64_t hb_interval_ns, hb_timeout_ns; /* 0: no heartbeats */
 } tcp_agent;
 
 static inline tcp_agent *T(hx_agent *a) { return a->state[HX_TRANSPORT_TCP]; }
@@ -145,6 +167,9 @@ void tcp_update_interest(hx_agent *a, conn *c);
 
 /* initiator.c */
 int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n);
+int tcp_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len);
+/* Queues a heartbeat frame (either side). Caller holds c->lock. */
+void tcp_beacon_locked(hx_agent *a, conn *c);
 /* A response header is complete. Returns -1 to fail with a protocol error. */
 int tcp_initiator_response(hx_agent *a, conn *c);
 void tcp_chunk_done(hx_agent *a, conn *c, frame *f, int status);
@@ -153,10 +178,13 @@ void tcp_chunk_done(hx_agent *a, conn *c, frame *f, int status);
  * Both return -1 to fail with a protocol error, -2 when the connection is gone. */
 int tcp_target_request(hx_agent *a, conn *c);
 int tcp_target_payload_done(hx_agent *a, conn *c);
+/* Tries again to queue a held notification; same returns. */
+int tcp_target_note_retry(hx_agent *a, conn *c);
 
 /* io.c */
 /* The I/O thread, started on first use; NULL with *status when it cannot be. */
 tcp_io *tcp_io_get(hx_agent *a, int *status);
 void tcp_io_wake(tcp_io *io);
+uint64_t tcp_now_ns(void);
 
 #endif

@@ -2,6 +2,8 @@
  *
  * request, REQ_SIZE bytes:   0 magic u32, 4 op u8 (W_*), 8 region u32,
  *                            16 offset u64, 24 length u64, 32 op id u64
+ *                            (W_NOTE: offset is the op it follows, 0 for
+ *                            none; length the message's, which follows)
  * response, RESP_SIZE bytes: 0 magic u32, 4 kind u8 (R_*), 8 status i32,
  *                            16 op id u64, 24 length u64 of the data that follows
  *
@@ -50,9 +52,17 @@ int tcp_get_req(const uint8_t *h, tcp_req *r)
     r->off = get64(h + 16);
     r->len = get64(h + 24);
     r->op_id = get64(h + 32);
-    if ((r->op != W_PUT && r->op != W_GET) || r->len == 0 || r->len > HX_TCP_CHUNK)
+    switch (r->op) {
+    case W_PUT:
+    case W_GET:
+        return r->len == 0 || r->len > HX_TCP_CHUNK ? -1 : 0;
+    case W_NOTE:
+        return r->len > HX_NOTE_MAX ? -1 : 0;
+    case W_PING:
+        return r->len != 0 ? -1 : 0;
+    default:
         return -1;
-    return 0;
+    }
 }
 
 int tcp_get_resp(const uint8_t *h, tcp_resp *r)

@@ -89,13 +89,16 @@ static void on_recv_wc(hx_agent *a, hx_verbs *v, struct ibv_wc *wc)
 {
     if (wc->status != IBV_WC_SUCCESS)
         return; /* flushed receives of a QP going away */
-    if (wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM)
-        hx_notify(a, ntohl(wc->imm_data), wc->byte_len);
     pthread_mutex_lock(&v->lock);
     vqp *q = find_qp(v, wc->qp_num);
+    uint64_t source = q ? q->session : 0;
     if (q && !q->broken)
         vb_post_recvs(q, 1);
     pthread_mutex_unlock(&v->lock);
+    /* The sender's write already landed: a full queue can only count it. */
+    if (wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM &&
+        hx_note_push(a, source, NULL, 0, ntohl(wc->imm_data), HX_NOTE_IMM, wc->byte_len) != HX_OK)
+        hx_note_dropped(a);
 }
 
 static int poll_some(hx_agent *a, hx_verbs *v)

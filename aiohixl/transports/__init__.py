@@ -26,10 +26,10 @@ NAMES = tuple(ALL)
 def make(agent: AgentView, names: tuple[str, ...], options: dict[str, Any]) -> dict[str, Transport]:
     """The transports an agent allows, by name, in order of preference.
 
-    A transport that never leaves the agent (loopback) is always made: ``names``
-    only says what peers may use.
+    Some are always made (loopback never leaves the agent; tcp carries every
+    peer's native channel): ``names`` says what peers' data may use.
     """
-    return {name: cls(agent, options) for name, cls in ALL.items() if name in names or cls.local_only}
+    return {name: cls(agent, options) for name, cls in ALL.items() if name in names or cls.always}
 
 
 def self_link(transports: dict[str, Transport]) -> Link | None:

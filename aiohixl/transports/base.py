@@ -95,8 +95,11 @@ class Transport:
     rank: ClassVar[int]
     # Whether this transport takes the listener's data connections (role DATA).
     takes_data_connections: ClassVar[bool] = False
-    # Never leaves the agent (no peer uses it), so always there.
-    local_only: ClassVar[bool] = False
+    # Always made, whatever the agent allows for data: loopback (it never
+    # leaves the agent) and tcp (it carries every peer's native channel).
+    always: ClassVar[bool] = False
+    # Makes the native channel of a peer that has none among its links (tcp).
+    makes_channels: ClassVar[bool] = False
 
     def __init__(self, agent: AgentView, options: dict[str, Any]) -> None:
         self.agent = agent
@@ -129,6 +132,11 @@ class Transport:
         """Control frames of this transport that a session answers."""
         return {}
 
+    def session_alive(self, session: SessionView) -> int:
+        """For the transport that takes data connections: 1 while the session's is up,
+        0 once it ended, -1 before it was made."""
+        return -1
+
     def session_ended(self, session: SessionView) -> None: ...
 
     def acknowledges_withdrawal(self, info: PeerInfo) -> bool:
@@ -157,6 +165,10 @@ class Link:
     name: ClassVar[str]
     carries_imm: ClassVar[bool] = False  # whether put(imm=) can travel this way
     reaches_all: ClassVar[bool] = False  # reaches every region of the peer with no set-up per region
+    # Can be a peer's channel: carries notifications to it and its heartbeats.
+    is_channel: ClassVar[bool] = False
+    # Notifications on this link follow its data in order, so need no fence.
+    ordered_notes: ClassVar[bool] = False
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
@@ -196,6 +208,13 @@ class Link:
             sge.remote_off = rs.offset
             sge.len = rs.nbytes
         return sges
+
+    def note(self, engine: Engine, data: bytes, dep: int, what: str, owner: OpOwner) -> Any:
+        """Post a notification (after op ``dep`` when not 0): its waiter, None when it is
+        already delivered, or ``Engine.BUSY`` when the receiving queue has no room."""
+        return engine.post_with(
+            lambda op_id: lib.hx_peer_note(self.handle, op_id, dep, data, len(data)), (), what, owner, busy_ok=True
+        )
 
     def close(self) -> None:
         """Queued ops fail as closed; ops already moving bytes finish."""

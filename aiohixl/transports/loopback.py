@@ -8,14 +8,17 @@ from .base import Link, Transport
 
 
 class LoopbackLink(Link):
+    """Its notifications are queued in this very agent."""
+
     reaches_all = True
+    is_channel = True
     name = "loopback"
 
 
 class LoopbackTransport(Transport):
     name = "loopback"
     rank = 0
-    local_only = True
+    always = True
 
     def usable_with(self, info: PeerInfo) -> bool:
         return False  # never to another agent

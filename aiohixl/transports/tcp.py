@@ -21,7 +21,11 @@ from .base import AgentView, Dial, Link, SessionView, Transport
 
 
 class TcpLink(Link):
+    """Data, notifications and heartbeats on one ordered connection."""
+
     reaches_all = True
+    is_channel = True
+    ordered_notes = True
     name = "tcp"
 
 
@@ -29,13 +33,18 @@ class TcpTransport(Transport):
     name = "tcp"
     rank = 3
     takes_data_connections = True
+    always = True
+    makes_channels = True
 
     def __init__(self, agent: AgentView, options: dict[str, Any]) -> None:
         super().__init__(agent, options)
         stall = options.get("stall_timeout", 10.0)
         if not stall > 0:
             raise InvalidArgument(f"Agent(stall_timeout={stall}): must be > 0")
-        lib.hx_agent_set_stall(agent.engine.native, int(stall * 1e9))
+        native = agent.engine.native
+        lib.hx_agent_set_stall(native, int(stall * 1e9))
+        interval, timeout = options.get("heartbeat", (1.0, 5.0))
+        lib.hx_agent_set_heartbeat(native, int(interval * 1e9), int(timeout * 1e9))
 
     async def take_data_connection(self, ch: c.Channel, session: SessionView) -> bool:
         fd = ch.fileno_for_handoff()
@@ -48,6 +57,11 @@ class TcpTransport(Transport):
         if rc < 0:
             c.log.warning("aiohixl %s: could not serve a data connection (status %d)", self.agent.name, rc)
         return True
+
+    def session_alive(self, session: SessionView) -> int:
+        """1 while a data connection of the session is up, 0 once all ended, -1 before the first."""
+        native = self.agent.engine.native
+        return int(lib.hx_tcp_session_alive(native, session_key(session.sid))) if native is not None else 0
 
     def session_ended(self, session: SessionView) -> None:
         native = self.agent.engine.native

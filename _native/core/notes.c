@@ -1,0 +1,119 @@
+/* Notifications that arrived for this agent: a bounded queue that native
+ * threads fill and Python drains, waking the event loop through the same fd
+ * as completions. A full queue never drops a message a sender can be held
+ * back for: the push fails with HX_E_BUSY, the transport stops reading from
+ * that sender, and hx_agent_drain_notes tells the transports there is room. */
+#include "internal.h"
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct hx_note_entry {
+    struct hx_note_entry *next;
+    uint64_t source;
+    uint32_t imm, flags, nbytes, len;
+    uint8_t data[];
+} hx_note_entry;
+
+void hx_notes_init(hx_agent *a)
+{
+    pthread_mutex_init(&a->note_lock, NULL);
+    a->note_cap = 4096;
+}
+
+void hx_notes_free(hx_agent *a)
+{
+    hx_note_entry *e = a->note_head;
+    while (e) {
+        hx_note_entry *next = e->next;
+        free(e);
+        e = next;
+    }
+    a->note_head = a->note_tail = NULL;
+    pthread_mutex_destroy(&a->note_lock);
+}
+
+int hx_note_push(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len, uint32_t imm,
+                 uint32_t flags, uint32_t nbytes)
+{
+    if (len > HX_NOTE_MAX)
+        return HX_E_INVAL;
+    pthread_mutex_lock(&a->note_lock);
+    if (a->note_count >= a->note_cap) {
+        a->note_blocked = true;
+        pthread_mutex_unlock(&a->note_lock);
+        return HX_E_BUSY;
+    }
+    pthread_mutex_unlock(&a->note_lock);
+    hx_note_entry *e = malloc(sizeof *e + len);
+    if (!e)
+        return HX_E_NOMEM;
+    *e = (hx_note_entry){.source = source, .imm = imm, .flags = flags, .nbytes = nbytes, .len = len};
+    if (len)
+        memcpy(e->data, data, len);
+    pthread_mutex_lock(&a->note_lock);
+    if (a->note_tail)
+        a->note_tail->next = e;
+    else
+        a->note_head = e;
+    a->note_tail = e;
+    a->note_count++;
+    pthread_mutex_unlock(&a->note_lock);
+    hx_wake(a);
+    return HX_OK;
+}
+
+void hx_note_dropped(hx_agent *a)
+{
+    pthread_mutex_lock(&a->note_lock);
+    a->note_dropped++;
+    pthread_mutex_unlock(&a->note_lock);
+}
+
+int hx_agent_drain_notes(hx_agent *a, hx_note *out, int max)
+{
+    int taken = 0;
+    pthread_mutex_lock(&a->note_lock);
+    while (taken < max && a->note_head) {
+        hx_note_entry *e = a->note_head;
+        a->note_head = e->next;
+        if (!a->note_head)
+            a->note_tail = NULL;
+        a->note_count--;
+        hx_note *o = &out[taken++];
+        o->source = e->source;
+        o->imm = e->imm;
+        o->flags = e->flags;
+        o->nbytes = e->nbytes;
+        o->len = e->len;
+        memcpy(o->data, e->data, e->len);
+        free(e);
+    }
+    bool blocked = a->note_blocked && taken > 0;
+    if (blocked)
+        a->note_blocked = false;
+    pthread_mutex_unlock(&a->note_lock);
+    if (blocked)
+        /* Senders were held back: the transports resume reading them. */
+        for (int t = 0; t < HX_NTRANSPORTS; t++)
+            if (hx_transports[t]->note_space)
+                hx_transports[t]->note_space(a);
+    return taken;
+}
+
+int hx_agent_notes_pending(hx_agent *a)
+{
+    pthread_mutex_lock(&a->note_lock);
+    int n = (int)a->note_count;
+    pthread_mutex_unlock(&a->note_lock);
+    return n;
+}
+
+uint64_t hx_agent_notes_dropped(hx_agent *a)
+{
+    pthread_mutex_lock(&a->note_lock);
+    uint64_t n = a->note_dropped;
+    pthread_mutex_unlock(&a->note_lock);
+    return n;
+}
+
+void hx_agent_set_notes(hx_agent *a, uint32_t capacity) { a->note_cap = capacity ? capacity : 1; }

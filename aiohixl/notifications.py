@@ -1,0 +1,174 @@
+"""Notifications that arrived for an agent, and those who wait for them.
+
+Messages are received by the native side (a transport's thread) into a
+bounded native queue, whatever the event loop is doing. The inbox moves them
+into a bounded queue of its own when the loop runs, and hands them out in
+arrival order, or the first one with given data (``match``). When both
+queues are full the transports hold the senders back (their ops wait) rather
+than drop: only a verbs WRITE WITH IMM, whose data already landed, can be
+dropped, and then it is counted (``dropped``).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import anyio
+
+from ._engine import Engine
+from ._native import ffi, lib
+from .errors import ClosedError, InvalidArgument, NotificationTimeout
+
+__all__ = ["Notification", "Inbox", "MAX_NOTIFICATION", "note_bytes"]
+
+MAX_NOTIFICATION = int(lib.HX_NOTE_MAX)
+_BATCH = 64
+
+
+class Notification:
+    """A message a peer sent with ``put(notify=)`` or ``notify()``, or a verbs WRITE WITH IMM.
+
+    ``data``: the message (``b""`` for an immediate); ``imm``: the verbs immediate, else
+    None; ``peer``: the sending agent's name (None if its session ended before the message
+    was read); ``nbytes``: bytes the WRITE WITH IMM wrote (0 for messages).
+    """
+
+    __slots__ = ("data", "imm", "peer", "nbytes")
+
+    def __init__(self, data: bytes, imm: int | None, peer: str | None, nbytes: int = 0) -> None:
+        self.data = data
+        self.imm = imm
+        self.peer = peer
+        self.nbytes = nbytes
+
+    def __repr__(self) -> str:
+        what = f"imm={self.imm:#x} nbytes={self.nbytes}" if self.imm is not None else f"data={self.data[:32]!r}"
+        return f"<Notification from {self.peer!r} {what}>"
+
+
+def note_bytes(data: Any, what: str) -> bytes:
+    """``data`` as the bytes of a notification, or InvalidArgument saying what is wrong."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidArgument(f"{what}: notify= takes bytes, not {type(data).__name__}")
+    data = bytes(data)
+    if len(data) > MAX_NOTIFICATION:
+        raise InvalidArgument(f"{what}: a notification holds at most {MAX_NOTIFICATION} bytes, not {len(data)}")
+    return data
+
+
+class Inbox:
+    """The agent's notifications: pulled from the native queue, handed to waiters in order."""
+
+    def __init__(self, engine: Engine, capacity: int, names: Callable[[int], str | None]) -> None:
+        self.engine = engine
+        self.capacity = capacity
+        self.names = names  # native source (session key) -> the sender's name
+        self._queue: collections.deque[Notification] = collections.deque()
+        self._waiters: list[list[Any]] = []  # [waiter, match, notification]
+        self._space: list[Any] = []  # senders on this agent (loopback) waiting for room
+        self._buf = ffi.new("hx_note[]", _BATCH)
+        self.closed = False
+        lib.hx_agent_set_notes(engine.native, capacity)
+
+    @property
+    def dropped(self) -> int:
+        return int(lib.hx_agent_notes_dropped(self.engine.native)) if self.engine.native is not None else 0
+
+    def pull(self) -> None:
+        """Move what arrived natively into the queue (as far as it has room), then serve waiters."""
+        native = self.engine.native
+        if native is None:
+            return
+        moved = 0
+        while len(self._queue) < self.capacity:
+            n = lib.hx_agent_drain_notes(native, self._buf, min(_BATCH, self.capacity - len(self._queue)))
+            for i in range(n):
+                e = self._buf[i]
+                imm = int(e.imm) if e.flags & lib.HX_NOTE_IMM else None
+                self._queue.append(Notification(bytes(ffi.buffer(e.data, e.len)), imm, self.names(e.source), e.nbytes))
+            moved += n
+            if n < _BATCH:
+                break
+        if moved and self._space:
+            self._wake_space()
+        if self._waiters and self._queue:
+            self._serve()
+
+    def _take(self, match: bytes | None) -> Notification | None:
+        if match is None:
+            return self._queue.popleft() if self._queue else None
+        for i, note in enumerate(self._queue):
+            if note.data == match:
+                del self._queue[i]
+                return note
+        return None
+
+    def _serve(self) -> None:
+        backend = self.engine.attach()
+        for entry in list(self._waiters):
+            waiter, match, _ = entry
+            if not backend.pending(waiter):
+                self._waiters.remove(entry)  # its task was cancelled: it takes nothing
+                continue
+            note = self._take(match)
+            if note is not None:
+                entry[2] = note
+                self._waiters.remove(entry)
+                backend.resolve(waiter, None)
+            if not self._queue:
+                break
+        if len(self._queue) < self.capacity and lib.hx_agent_notes_pending(self.engine.native):
+            self.pull()  # room made: more may wait natively
+
+    async def get(self, timeout: float | None, match: Any, what: str) -> Notification:
+        if self.closed:
+            raise ClosedError(f"{what}: agent is closed")
+        if match is not None:
+            match = note_bytes(match, what)
+        self.pull()
+        note = self._take(match)
+        if note is not None:
+            self.pull()
+            return note
+        backend = self.engine.attach()
+        entry: list[Any] = [backend.new_waiter(), match, None]
+        self._waiters.append(entry)
+        try:
+            with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+                await backend.wait(entry[0])
+        except TimeoutError:
+            raise NotificationTimeout(f"{what}: no notification within {timeout} s") from None
+        finally:
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+        if entry[2] is None:
+            raise ClosedError(f"{what}: agent closed while waiting")
+        return entry[2]
+
+    async def room(self) -> None:
+        """Wait until the native queue took some messages off (a loopback sender held back)."""
+        backend = self.engine.attach()
+        waiter = backend.new_waiter()
+        self._space.append(waiter)
+        self.pull()
+        await backend.wait(waiter)
+
+    def _wake_space(self) -> None:
+        backend = self.engine.attach()
+        waiters, self._space = self._space, []
+        for w in waiters:
+            backend.resolve(w, None)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.engine.backend is None:
+            return
+        for waiter, _, _ in self._waiters:
+            self.engine.backend.resolve(waiter, ClosedError("Agent.notification: agent closed"))
+        self._waiters.clear()
+        for w in self._space:
+            self.engine.backend.resolve(w, ClosedError("notify: agent closed"))
+        self._space.clear()
