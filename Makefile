@@ -41,7 +41,7 @@ clean:
 
 # The RDMA tier: tests/rdma inside a throwaway VM with the Soft-RoCE device rxe0.
 SOFTROCE := tests/softroce
-RDMA_PYTEST := PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(abspath $(PY)) -m pytest -q -p pytest_asyncio.plugin -p pytest_timeout -p no:cacheprovider -v tests/rdma tests/test_contract.py
+RDMA_PYTEST := PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(abspath $(PY)) -m pytest -q -p pytest_asyncio.plugin -p pytest_timeout -p no:cacheprovider -v tests/rdma tests/test_contract.py tests/test_notify.py
 
 .PHONY: test-rdma
 test-rdma: venv

@@ -1,7 +1,15 @@
-"""Prefill/decode over tcp, in two processes.
+"""Prefill/decode in two processes: the KV cache lands, then a notification says so.
 
 The decode worker registers a KV-cache region and publishes it as "kv"; it
-then does nothing while the prefill worker puts blocks straight into it.
+calls nothing while the prefill worker puts blocks straight into it, and
+learns that a request's cache is complete from a notification
+(``agent.notification(match=...)``), delivered only once every byte is in place.
+
+Transport: both workers are on this host, so the puts go over shared memory
+(``shm``: a memfd region mapped by the prefill process, the decode process
+does nothing); the notification travels on the peer's native channel, a tcp
+connection served by the decode agent's native thread. Two hosts would use
+tcp (or verbs with RDMA devices) with no change to this code.
 
 Run: .venv/bin/python examples/pd_two_processes.py
 """
@@ -16,16 +24,21 @@ from aiohixl import Access
 TOKEN = os.environ.setdefault("AIOHIXL_TOKEN", "example-shared-secret")
 BLOCK = 256 * 1024
 BLOCKS = 64
+REQUEST = b"req-17"
 
 
-def decode_worker(ready: "mp.Queue", done: "mp.Queue") -> None:
+def decode_worker(ready: "mp.Queue") -> None:
     async def main() -> None:
         async with aiohixl.Agent("decode", listen="127.0.0.1:0") as agent:
             kv = agent.allocate(BLOCK * BLOCKS, name="kv", access=Access.REMOTE_WRITE)
             ready.put(agent.address)
-            await asyncio.get_running_loop().run_in_executor(None, done.get)  # the decode loop would run here
+            # The decode loop waits for this request's cache; its bytes are all in place now.
+            note = await agent.notification(match=REQUEST, timeout=60)
             blocks = [bytes(kv.memory[i * BLOCK : i * BLOCK + 8]) for i in range(BLOCKS)]
-            print(f"decode: first bytes of blocks 0 and {BLOCKS - 1}: {blocks[0]!r} {blocks[-1]!r}")
+            print(
+                f"decode: {note.data.decode()} from {note.peer}: blocks 0 and {BLOCKS - 1} "
+                f"start with {blocks[0]!r} {blocks[-1]!r}"
+            )
 
     asyncio.run(main())
 
@@ -37,18 +50,19 @@ async def prefill(address: str) -> None:
         cache = agent.allocate(BLOCK * BLOCKS)
         for i in range(BLOCKS):  # "compute" the KV cache
             cache.memory[i * BLOCK : (i + 1) * BLOCK] = f"blk{i:04d}".encode().ljust(BLOCK, b".")
-        # Push every block; the awaits overlap, each returns once its bytes are in decode's memory.
-        await asyncio.gather(
-            *(peer.put(kv[i * BLOCK : (i + 1) * BLOCK], cache[i * BLOCK : (i + 1) * BLOCK]) for i in range(BLOCKS))
+        # Every block in one submission; the message is delivered after the last byte lands.
+        await peer.put_many(
+            [(kv[i * BLOCK : (i + 1) * BLOCK], cache[i * BLOCK : (i + 1) * BLOCK]) for i in range(BLOCKS)],
+            notify=REQUEST,
         )
-        print(f"prefill: pushed {BLOCKS} blocks of {BLOCK // 1024} KiB via {peer.transport}")
+        print(f"prefill: pushed {BLOCKS} blocks of {BLOCK // 1024} KiB via {await peer.path(kv)}, notified {REQUEST!r}")
 
 
 if __name__ == "__main__":
     ctx = mp.get_context("spawn")
-    ready, done = ctx.Queue(), ctx.Queue()
-    decode = ctx.Process(target=decode_worker, args=(ready, done))
+    ready = ctx.Queue()
+    decode = ctx.Process(target=decode_worker, args=(ready,))
     decode.start()
     asyncio.run(prefill(ready.get(timeout=30)))
-    done.put(True)
     decode.join(30)
+    raise SystemExit(decode.exitcode)

@@ -41,6 +41,7 @@ class Target:
         prefix: tuple[str, ...] = (),
         rdma_timeout: int = 14,
         stall: float = 10.0,
+        max_notes: int = 4096,
     ) -> Target:
         """``prefix`` runs the target under another command (e.g. unshare)."""
         env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -60,6 +61,8 @@ class Target:
                 str(rdma_timeout),
                 "--stall",
                 str(stall),
+                "--max-notes",
+                str(max_notes),
             ],
             cwd=ROOT,
             env=env,

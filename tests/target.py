@@ -32,6 +32,7 @@ async def main() -> None:
     p.add_argument("--heartbeat", type=float, default=1.0)
     p.add_argument("--rdma-timeout", type=int, default=14)
     p.add_argument("--stall", type=float, default=10.0)
+    p.add_argument("--max-notes", type=int, default=4096)
     args = p.parse_args()
     async with aiohixl.Agent(
         "target",
@@ -42,6 +43,7 @@ async def main() -> None:
         rdma_timeout=args.rdma_timeout,
         rdma_retry_count=1,
         stall_timeout=args.stall,
+        max_notifications=args.max_notes,
     ) as agent:
         regions = {}
         arrays = {}
@@ -86,6 +88,20 @@ async def main() -> None:
                 # The next RDMA WRITE WITH IMM that lands here.
                 note = await asyncio.wait_for(agent.notification(), cmd.get("timeout", 60))
                 out.update(imm=note.imm, nbytes=note.nbytes)
+            elif op == "take_note":
+                # The next notification names a range and its expected hash:
+                # check the bytes the moment it arrives.
+                note = await agent.notification(timeout=cmd.get("timeout", 60))
+                name, off, n, digest = note.data.decode().split(":")
+                chunk = arrays[name][int(off) : int(off) + int(n)]
+                got = await asyncio.to_thread(lambda c=chunk: hashlib.sha256(c).hexdigest())
+                out.update(in_place=got == digest, peer=note.peer)
+            elif op == "collect":
+                notes = [await agent.notification(timeout=cmd.get("timeout", 120)) for _ in range(cmd["n"])]
+                out.update(notes=[[n.peer, n.data.decode()] for n in notes], dropped=agent.notifications_dropped)
+            elif op == "block":
+                time.sleep(cmd["seconds"])  # the event loop stops: a synchronous forward pass
+                out["pending"] = agent.outstanding
             elif op == "info":
                 usable = [n for n in agent.transports if n not in agent.unavailable]
                 out.update(verbs=agent.verbs_unavailable or "ready", transports=usable)

@@ -1,0 +1,223 @@
+"""Notifications: after the data, on every path; ordered; held back, never lost;
+and connections (with their heartbeats) that survive a blocked event loop.
+
+The target is a real process: it checks its own bytes the moment a message
+arrives (tests/target.py ``take_note``), not when the sender says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import time
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+import aiohixl
+
+from .harness import TOKEN, Target, pattern, sha
+from .test_contract import IN_VM, PATHS, RUN
+
+SPACE = (8 << 20) if IN_VM else (64 << 20)
+# Path-independent tests run on the host; the VM (emulated, slow) runs the verbs path only.
+not_in_vm = pytest.mark.skipif(IN_VM, reason="not path-specific: runs outside the Soft-RoCE VM")
+OPS = 100 if IN_VM else 1000
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=RUN)
+async def path(request):
+    """(initiator agent, peer, the target's region, source) over one path; target None: loopback."""
+    name = request.param
+    transports, kind = PATHS[name]
+    target = None if name == "loopback" else await Target.start()
+    async with aiohixl.Agent(f"sender-{name}", token=TOKEN, transports=transports) as agent:
+        if target is None:
+            arr = np.frombuffer(agent.allocate(SPACE, name="kv").memory, dtype=np.uint8)
+            peer = agent.loopback()
+        else:
+            await target.alloc("kv", SPACE, kind=kind)
+            peer = await agent.connect(target.address)
+            arr = None
+        kv = await peer.region("kv")
+        assert await peer.path(kv) == name
+        src_arr = pattern(SPACE, 5)
+        yield {
+            "name": name,
+            "agent": agent,
+            "peer": peer,
+            "kv": kv,
+            "arr": arr,
+            "target": target,
+            "src_arr": src_arr,
+            "src": agent.register(src_arr),
+        }
+    if target is not None:
+        await target.aclose()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_data_is_in_place_when_its_notification_arrives(path):
+    rng = np.random.default_rng(9)
+    peer, kv, src, src_arr = path["peer"], path["kv"], path["src"], path["src_arr"]
+    for i in range(OPS):
+        n = int(math.exp(rng.uniform(0, math.log(SPACE))))  # 1 B to SPACE, log-uniform
+        off, a = int(rng.integers(0, SPACE - n + 1)), int(rng.integers(0, SPACE - n + 1))
+        message = f"kv:{off}:{n}:{sha(src_arr[a : a + n])}".encode()
+        if path["target"] is None:
+            await peer.put(kv[off : off + n], src[a : a + n], notify=message)
+            note = await path["agent"].notification(timeout=60)
+            assert note.data == message and note.peer == path["agent"].name
+            assert hashlib.sha256(path["arr"][off : off + n]).hexdigest() == sha(src_arr[a : a + n]), i
+        else:
+            # The target takes the message and hashes its bytes while we are still awaiting.
+            check = asyncio.create_task(path["target"].cmd(op="take_note"))
+            if i % 2:
+                await peer.put(kv[off : off + n], src[a : a + n], notify=message)
+            else:
+                await peer.put_many([(kv[off : off + n], src[a : a + n])], notify=message)
+            reply = await check
+            assert reply["in_place"], (i, n)
+            assert reply["peer"] == path["agent"].name
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_refused_op_sends_no_notification(path):
+    peer, kv, src = path["peer"], path["kv"], path["src"]
+    import dataclasses
+
+    from aiohixl.remote import RemoteRegion
+
+    longer = RemoteRegion(dataclasses.replace(kv.info, nbytes=2 * SPACE))
+    with pytest.raises((aiohixl.OutOfBounds, aiohixl.RegionUnavailable, aiohixl.ConnectionLost)):
+        await peer.put(longer[SPACE - 8 : SPACE + 8], src[:16], notify=b"never")
+    if peer.broken:  # verbs: a remote access error ends the queue pair
+        return
+    await peer.notify(b"kv:0:0:" + hashlib.sha256(b"").hexdigest().encode())
+    if path["target"] is None:
+        assert (await path["agent"].notification(timeout=10)).data.startswith(b"kv:0:0")
+    else:
+        assert (await path["target"].cmd(op="take_note"))["in_place"]
+
+
+@not_in_vm
+async def test_ordered_per_sender_none_lost_from_four_senders():
+    senders, each = 4, 2500
+    target = await Target.start()
+    try:
+        agents = [aiohixl.Agent(f"s{k}", token=TOKEN) for k in range(senders)]
+        for a in agents:
+            await a.start()
+        peers = [await a.connect(target.address) for a in agents]
+        collect = asyncio.create_task(target.cmd(op="collect", n=senders * each))
+
+        async def send(k: int) -> None:
+            for i in range(each):
+                await peers[k].notify(f"{k}:{i}".encode())
+
+        await asyncio.gather(*(send(k) for k in range(senders)))
+        reply = await collect
+        seen: dict[str, list[int]] = {}
+        for peer_name, data in reply["notes"]:
+            k, i = data.split(":")
+            assert peer_name == f"s{k}"
+            seen.setdefault(k, []).append(int(i))
+        assert {k: v for k, v in seen.items()} == {str(k): list(range(each)) for k in range(senders)}
+        assert reply["dropped"] == 0
+        for a in agents:
+            await a.aclose()
+    finally:
+        await target.aclose()
+
+
+@not_in_vm
+async def test_a_full_queue_holds_senders_back_and_loses_nothing():
+    target = await Target.start(max_notes=8)
+    try:
+        async with aiohixl.Agent("sender", token=TOKEN) as agent:
+            peer = await agent.connect(target.address)
+            sends = [asyncio.create_task(peer.notify(f"m{i}".encode())) for i in range(100)]
+            await asyncio.sleep(1.0)  # nobody takes any: at most queue-sized batches get in
+            assert sum(t.done() for t in sends) < 100, "a full queue must hold senders back"
+            reply = await target.cmd(op="collect", n=100)
+            await asyncio.gather(*sends)
+            assert [d for _, d in reply["notes"]] == [f"m{i}" for i in range(100)]
+            assert reply["dropped"] == 0
+    finally:
+        await target.aclose()
+
+
+@not_in_vm
+async def test_a_target_whose_loop_is_blocked_keeps_its_connections():
+    # heartbeat 0.5 s / timeout 1.5 s on both sides: far shorter than the block.
+    target = await Target.start(heartbeat=0.5)
+    block = 30.0
+    try:
+        await target.alloc("kv", 1 << 20)
+        async with aiohixl.Agent(
+            "sender", token=TOKEN, transports=("tcp",), heartbeat_interval=0.5, heartbeat_timeout=1.5
+        ) as agent:
+            peer = await agent.connect(target.address)
+            kv = await peer.region("kv")
+            src = agent.register(pattern(1 << 20, 3))
+            blocked = asyncio.create_task(target.cmd(op="block", seconds=block))
+            await asyncio.sleep(0.5)  # the target's loop is in time.sleep now
+            start = time.monotonic()
+            for i in range(1000):
+                await peer.put(kv[(i % 256) * 4096 : (i % 256 + 1) * 4096], src[:4096], notify=f"n{i}".encode())
+            during = time.monotonic() - start
+            assert not blocked.done() and during < block, "the puts landed while the target's loop slept"
+            await asyncio.sleep(3.0)  # idle, past the heartbeat timeout: still connected
+            assert peer.broken is None
+            await blocked
+            reply = await target.cmd(op="collect", n=1000)
+            assert [d for _, d in reply["notes"]] == [f"n{i}" for i in range(1000)]
+            assert await target.hash("kv", 0, 4096) == sha(pattern(1 << 20, 3)[:4096])
+            await peer.put(kv[:4096], src[:4096])  # and the connection works on
+            assert peer.broken is None
+    finally:
+        await target.aclose()
+
+
+@not_in_vm
+async def test_typed_errors(agent):
+    agent.allocate(16, name="x")
+    peer = agent.loopback()
+    x = await peer.region("x")
+    src = agent.register(bytearray(16))
+    with pytest.raises(aiohixl.InvalidArgument, match="at most 4096 bytes"):
+        await peer.put(x, src, notify=bytes(4097))
+    with pytest.raises(aiohixl.InvalidArgument, match="notify= takes bytes, not str"):
+        await peer.put(x, src, notify="text")
+    with pytest.raises(aiohixl.InvalidArgument, match="at most 4096"):
+        await peer.notify(bytes(5000))
+    await peer.notify(bytes(4096))  # the limit itself is fine
+    assert len((await agent.notification(timeout=5)).data) == 4096
+    with pytest.raises(aiohixl.NotificationTimeout):
+        await agent.notification(timeout=0.05)
+
+
+@not_in_vm
+async def test_notification_on_a_closed_agent_and_iteration_ends():
+    agent = aiohixl.Agent("closing")
+    await agent.start()
+    peer = agent.loopback()
+    await peer.notify(b"one")
+    got = []
+
+    async def consume():
+        async for note in agent.notifications():
+            got.append(note.data)
+
+    task = asyncio.create_task(consume())
+    waiting = asyncio.create_task(agent.notification())
+    await asyncio.sleep(0.05)
+    await agent.aclose()
+    await asyncio.wait_for(task, 5)  # the iteration ends with the agent
+    assert got == [b"one"]
+    with pytest.raises(aiohixl.ClosedError):
+        await waiting
+    with pytest.raises(aiohixl.ClosedError, match="Agent.notification"):
+        await agent.notification()
