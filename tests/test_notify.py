@@ -124,7 +124,7 @@ async def test_ordered_per_sender_none_lost_from_four_senders():
             k, i = data.split(":")
             assert peer_name == f"s{k}"
             seen.setdefault(k, []).append(int(i))
-        assert {k: v for k, v in seen.items()} == {str(k): list(range(each)) for k in range(senders)}
+        assert seen == {str(k): list(range(each)) for k in range(senders)}
         assert reply["dropped"] == 0
         for a in agents:
             await a.aclose()
