@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import uuid
 from collections.abc import Iterable
@@ -265,6 +266,7 @@ class Agent:
         (a bytearray cannot be resized) until the region is closed.
         """
         self.check_open("Agent.register")
+        _check_region_args(access, name, "Agent.register")
         pinned = pin(obj, "Agent.register")
         if access is None:
             access = Access.REMOTE_READ if pinned.readonly else Access.REMOTE_READ | Access.REMOTE_WRITE
@@ -279,9 +281,16 @@ class Agent:
     def allocate(self, nbytes: int, *, access: Access | None = None, name: str | None = None) -> Region:
         """Allocate ``nbytes`` of zero-filled, page-aligned memory (memfd-backed) and register it."""
         self.check_open("Agent.allocate")
+        what = f"Agent.allocate({nbytes!r})"
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise InvalidArgument(f"{what}: size must be an int, not {type(nbytes).__name__}")
         if nbytes < 0:
-            raise InvalidArgument(f"Agent.allocate({nbytes}): size must be >= 0")
-        pinned = allocate_memfd(nbytes, name)
+            raise InvalidArgument(f"{what}: size must be >= 0")
+        _check_region_args(access, name, what)
+        try:
+            pinned = allocate_memfd(nbytes, name)
+        except OSError as exc:
+            raise MemoryError(f"{what}: cannot allocate {nbytes} bytes: {exc.strerror or exc}") from exc
         lib.hx_prefault(ffi.cast("void *", pinned.address), nbytes, 1)
         if access is None:
             access = Access.REMOTE_READ | Access.REMOTE_WRITE
@@ -430,7 +439,7 @@ class Agent:
             raise ConnectTimeout(f"{what}: no answer within {timeout} s") from None
         except c.STREAM_ERRORS as exc:
             await _abandon(ch, links)
-            raise ConnectionLost(f"{what}: {exc or type(exc).__name__}") from None
+            raise _connect_error(exc, what) from None
         except BaseException:
             await _abandon(ch, links)
             raise
@@ -445,6 +454,34 @@ class Agent:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._regions)} regions, {len(self._peers)} peers"
         return f"<Agent {self.name!r} {state}>"
+
+
+def _connect_error(exc: BaseException, what: str) -> ConnectionLost:
+    """ConnectionLost for a failed connect, saying why in words and keeping the errno.
+
+    anyio says "All connection attempts failed" and keeps the real error as the cause.
+    """
+    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+    errno_ = getattr(cause, "errno", None)
+    if isinstance(cause, ConnectionRefusedError) or errno_ == errno.ECONNREFUSED:
+        err = ConnectionLost(f"{what}: connection refused (nothing listens there)")
+    elif isinstance(cause, OSError) and cause.strerror:
+        err = ConnectionLost(f"{what}: {cause.strerror}")
+    else:
+        err = ConnectionLost(f"{what}: {exc or type(exc).__name__}")
+    err.errno = errno_
+    return err
+
+
+def _check_region_args(access: Any, name: Any, what: str) -> None:
+    """``access`` and ``name`` of register()/allocate(), checked before anything is pinned."""
+    if access is not None:
+        if isinstance(access, bool) or not isinstance(access, int):
+            raise InvalidArgument(f"{what}: access must be Access flags, not {type(access).__name__}")
+        if int(access) & ~int(Access.REMOTE_READ | Access.REMOTE_WRITE) or int(access) < 0:
+            raise InvalidArgument(f"{what}: access={int(access):#x} has bits outside REMOTE_READ|REMOTE_WRITE")
+    if name is not None and not isinstance(name, str):
+        raise InvalidArgument(f"{what}: name must be a str, not {type(name).__name__}")
 
 
 def _transport_names(transports: str | tuple[str, ...], what: str) -> tuple[str, ...]:

@@ -66,7 +66,13 @@ class RegionUnavailable(HixlError):
 
 
 class ConnectionLost(HixlError):
-    """The peer went away; ops outstanding on it failed."""
+    """The peer went away; ops outstanding on it failed.
+
+    ``errno`` is the system's error number when one said why (e.g. ECONNREFUSED
+    from Agent.connect()), else None.
+    """
+
+    errno: int | None = None
 
 
 class ConnectTimeout(HixlError, TimeoutError):

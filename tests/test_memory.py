@@ -97,6 +97,44 @@ async def test_duplicate_name_refused(agent):
         agent.allocate(10, name="kv")
 
 
+@pytest.mark.parametrize(
+    "call, error, text",
+    [
+        (lambda a: a.allocate(64, access=4), aiohixl.InvalidArgument, "bits outside"),
+        (lambda a: a.register(bytearray(8), access=8), aiohixl.InvalidArgument, "bits outside"),
+        (lambda a: a.allocate(64, access="rw"), aiohixl.InvalidArgument, "access must be"),
+        (lambda a: a.allocate(64, name=123), aiohixl.InvalidArgument, "name must be a str"),
+        (lambda a: a.register(bytearray(8), name=b"kv"), aiohixl.InvalidArgument, "name must be a str"),
+        (lambda a: a.allocate(2**62), MemoryError, r"Agent.allocate\(4611686018427387904\): cannot allocate"),
+        (lambda a: a.allocate(1.5), aiohixl.InvalidArgument, "size must be an int"),
+    ],
+    ids=["allocate-access-4", "register-access-8", "access-str", "name-int", "name-bytes", "huge", "float"],
+)
+async def test_bad_arguments_are_refused_clearly(agent, call, error, text):
+    with pytest.raises(error, match=text):
+        call(agent)
+    assert not agent.live_regions()  # nothing half-registered
+
+
+async def test_empty_multidimensional_buffer_registers(agent):
+    region = agent.register(np.zeros((0, 5)))
+    assert region.nbytes == 0 and len(region.memory) == 0
+    region = agent.register(np.zeros((0, 5)), access=Access.NONE)
+    await region.close()
+
+
+async def test_refused_connection_says_so_and_keeps_errno(agent):
+    import errno
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(aiohixl.ConnectionLost, match="connection refused") as info:
+        await agent.connect(f"127.0.0.1:{port}", token="t")
+    assert info.value.errno == errno.ECONNREFUSED
+
+
 async def test_closing_region_releases_buffer(agent):
     buf = bytearray(100)
     region = agent.register(buf)
