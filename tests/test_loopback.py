@@ -79,6 +79,40 @@ async def test_zero_length_is_a_no_op(agent):
         x[11:11]  # an empty slice past the end is still out of bounds
 
 
+@pytest.mark.parametrize("shift", [1, 4096, -1, -(1 << 20) - 7, (3 << 20) - 1])
+async def test_overlapping_put_and_get_behave_like_memmove(agent, shift):
+    """Source and destination overlap in one region: the pool's pieces must not read bytes already written."""
+    size = 3 << 20  # several copy-pool pieces
+    base = 4 << 20
+    arr = random_bytes(12 << 20, seed=abs(shift))
+    region = agent.register(arr, name="buf", access=Access.REMOTE_READ | Access.REMOTE_WRITE)
+    peer = agent.loopback()
+    remote = await peer.region("buf")
+    expect = arr.copy()
+    expect[base + shift : base + shift + size] = expect[base : base + size].copy()
+    await peer.put(remote[base + shift : base + shift + size], region[base : base + size])
+    assert np.array_equal(arr, expect)
+    expect[base : base + size] = expect[base + shift : base + shift + size].copy()
+    await peer.get(region[base : base + size], remote[base + shift : base + shift + size])
+    assert np.array_equal(arr, expect)
+
+
+async def test_overlapping_pairs_of_one_submission_are_refused(agent):
+    arr = random_bytes(4 << 20, seed=3)
+    region = agent.register(arr, name="buf", access=Access.REMOTE_READ | Access.REMOTE_WRITE)
+    before = arr.copy()
+    peer = agent.loopback()
+    remote = await peer.region("buf")
+    # the second pair writes where the first reads: no order makes that well defined
+    pairs = [(remote[0 : 2 << 20], region[1 << 20 : 3 << 20]), (remote[2 << 20 : 4 << 20], region[0 : 2 << 20])]
+    with pytest.raises(aiohixl.InvalidArgument, match="overlapping"):
+        await peer.put_many(pairs)
+    assert np.array_equal(arr, before)
+    # disjoint pairs in one region are fine
+    await peer.put_many([(remote[0:1024], region[4096:5120]), (remote[8192:9216], region[1024:2048])])
+    assert bytes(arr[0:1024]) == bytes(before[4096:5120]) and bytes(arr[8192:9216]) == bytes(before[1024:2048])
+
+
 async def test_ten_thousand_concurrent_ops(agent):
     n, size = 10_000, 512
     src_arr = random_bytes(n * size, seed=7)
