@@ -17,6 +17,7 @@ from .errors import (
     TransferError,
     TransferTimeout,
     UnsupportedMemory,
+    WrongEventLoop,
 )
 from .memory import Access, Region, RegionSlice
 from .peer import Peer
@@ -47,5 +48,6 @@ __all__ = [
     "ProtocolError",
     "TransferError",
     "TransferTimeout",
+    "WrongEventLoop",
     "__version__",
 ]

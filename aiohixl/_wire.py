@@ -167,4 +167,3 @@ def split_head(head: bytes, limit: int) -> tuple[int, int]:
 
 HEAD_SIZE = _HEAD.size
 DATA_OK_FRAME = Writer().frame(DATA_OK)
-

@@ -141,7 +141,7 @@ class Agent:
     async def start(self) -> None:
         """Bind to the running event loop and start listening (if ``listen`` was given)."""
         self.check_open("Agent.start")
-        backend = self.engine.attach()
+        backend = self.engine.attach("Agent.start")
         self._open_transports()
         if self._listen is not None and self._listener is None:
             host, port = self._listen
@@ -191,7 +191,7 @@ class Agent:
     async def notification(self) -> Notification:
         """The next WRITE WITH IMM that landed in this agent's memory (waits for one)."""
         self.check_open("Agent.notification")
-        backend = self.engine.attach()
+        backend = self.engine.attach("Agent.notification")
         while not self._notifications:
             waiter = backend.new_waiter()
             self._notification_waiters.append(waiter)
@@ -349,7 +349,7 @@ class Agent:
             self._named.pop(region.name, None)
         if self._closed:
             return
-        backend = self.engine.attach()
+        backend = self.engine.attach("Region.close")
         if self._listener is not None:
             await self._listener.withdraw(region.id)
         while region.ops_in_flight:
@@ -413,7 +413,7 @@ class Agent:
         key = c.resolve_token(token if token is not None else self._token, what)
         host, port = c.parse_address(address, what)
         wanted = self.transports if transports is None else _transport_names(tuple(transports), what)
-        self.engine.attach()
+        self.engine.attach(what)
         self._open_transports()
         me = self._identity()
         links: list[tr.Link] = []

@@ -26,6 +26,7 @@ __all__ = [
     "ProtocolError",
     "TransferError",
     "TransferTimeout",
+    "WrongEventLoop",
 ]
 
 
@@ -93,3 +94,7 @@ class TransferError(HixlError):
 
 class TransferTimeout(TransferError, TimeoutError):
     """The caller stopped waiting. The op may still complete in the background."""
+
+
+class WrongEventLoop(HixlError, RuntimeError):
+    """The agent was used from an event loop or thread other than the one that started it."""

@@ -283,11 +283,10 @@ class Peer:
     ) -> None:
         self._check_open(what)
         engine = self.agent.engine
+        engine.attach(what)  # the agent's own loop only: nothing may be posted from another
         if engine.full:
-            await engine.admit()
+            await engine.admit(what)
             self._check_open(what)
-        elif engine.backend is None:
-            engine.attach()
         checked = self._checked(opcode, pairs, what)
         if not checked:
             return

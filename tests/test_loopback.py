@@ -113,6 +113,34 @@ async def test_overlapping_pairs_of_one_submission_are_refused(agent):
     assert bytes(arr[0:1024]) == bytes(before[4096:5120]) and bytes(arr[8192:9216]) == bytes(before[1024:2048])
 
 
+async def test_use_from_another_loop_or_thread_is_refused_at_the_call(agent):
+    """The agent belongs to the loop that started it: small and large ops alike are refused, none stays outstanding."""
+    src = agent.register(random_bytes(8 << 20))
+    dst = agent.register(bytearray(8 << 20), name="x", access=Access.REMOTE_WRITE)
+    peer = agent.loopback()
+    x = await peer.region("x")
+    await peer.put(x[0:16], src[0:16])  # the agent is bound to this loop now
+
+    def elsewhere(size: int) -> BaseException | None:
+        async def op() -> None:
+            await peer.put(x[0:size], src[0:size])
+
+        try:
+            asyncio.run(op())
+        except BaseException as exc:
+            return exc
+        return None
+
+    for size in (16, 8 << 20):
+        exc = await asyncio.to_thread(elsewhere, size)
+        assert isinstance(exc, aiohixl.WrongEventLoop), exc
+        assert isinstance(exc, RuntimeError) and "Peer.put" in str(exc) and "event loop" in str(exc)
+        assert agent.outstanding == 0
+    assert bytes(dst.memory[16:32]) == bytes(16)  # nothing was written from the other loop
+    await peer.put(x, src)  # and the agent still works on its own loop
+    assert bytes(dst.memory) == bytes(src.memory)
+
+
 async def test_ten_thousand_concurrent_ops(agent):
     n, size = 10_000, 512
     src_arr = random_bytes(n * size, seed=7)
