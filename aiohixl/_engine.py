@@ -220,7 +220,10 @@ class Engine:
         if self.native is None:
             return
         if self.backend is not None:
-            self.backend.unwatch(self.fd)
+            try:
+                self.backend.unwatch(self.fd)
+            except RuntimeError:
+                pass  # the loop is closed (an agent freed at exit): nothing watches any more
         lib.hx_agent_free(self.native)
         self.native = None
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import errno
 import os
 import uuid
+import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -131,6 +134,7 @@ class Agent:
         self._peers: set[Peer] = set()
         self._next_region = 1
         self._closed = False
+        _OPEN.add(self)
 
     # ---- lifetime ----
 
@@ -251,6 +255,40 @@ class Agent:
                 region.wake_idle_waiters(resolve)
         self._regions.clear()
         self._named.clear()
+
+    def _close_abandoned(self) -> None:
+        """An agent nobody closed (collected, or open at exit): warn, then free everything, synchronously.
+
+        Native threads stop first, so nothing touches registered memory any
+        more; then the peers' native handles, then the agent's; the pinned
+        buffers last, each cffi buffer before the memoryview it exports, so the
+        garbage collector never clears a view that is still exported.
+        """
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        warnings.warn(
+            f"unclosed {self!r}: close it with 'await agent.aclose()'", ResourceWarning, stacklevel=2, source=self
+        )
+        engine = self.engine
+        if engine.native is not None:  # else the engine was finalized first, and took its threads with it
+            lib.hx_agent_shutdown(engine.native)
+            for peer in list(self._peers):
+                peer.free()
+            try:
+                engine.free()
+            except Exception:  # the loop is gone: only the native side is left to free
+                lib.hx_agent_free(engine.native)
+                engine.native = None
+        self._peers.clear()
+        for region in self._regions.values():
+            region.closed = True
+            region.pinned.release()
+        self._regions.clear()
+        self._named.clear()
+
+    def __del__(self) -> None:
+        self._close_abandoned()
 
     def check_open(self, what: str) -> None:
         if self._closed:
@@ -454,6 +492,17 @@ class Agent:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._regions)} regions, {len(self._peers)} peers"
         return f"<Agent {self.name!r} {state}>"
+
+
+# Agents not closed yet: closed (with a ResourceWarning) at interpreter exit,
+# before module teardown and the last garbage collection free things in no order.
+_OPEN: weakref.WeakSet[Agent] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_agents() -> None:
+    for agent in list(_OPEN):
+        agent._close_abandoned()
 
 
 def _connect_error(exc: BaseException, what: str) -> ConnectionLost:

@@ -3,7 +3,11 @@ refusals, concurrency, cancellation and closing."""
 
 import asyncio
 import dataclasses
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,6 +143,59 @@ async def test_use_from_another_loop_or_thread_is_refused_at_the_call(agent):
     assert bytes(dst.memory[16:32]) == bytes(16)  # nothing was written from the other loop
     await peer.put(x, src)  # and the agent still works on its own loop
     assert bytes(dst.memory) == bytes(src.memory)
+
+
+EXIT_WITH_AGENTS_OPEN = """
+import asyncio, gc, sys
+import numpy as np
+import aiohixl
+from aiohixl import Access
+
+async def main():
+    target = aiohixl.Agent("t", listen="127.0.0.1:0", token="x")
+    await target.start()
+    target.allocate(1 << 20, name="kv")
+    target.register(np.zeros(1 << 20, dtype=np.uint8), name="arr", access=Access.REMOTE_READ)
+    me = aiohixl.Agent("me", token="x")
+    await me.start()
+    src = me.register(bytearray(64 << 20), name="src", access=Access.REMOTE_READ | Access.REMOTE_WRITE)
+    for transports in (("shm",), ("tcp",)):
+        peer = await me.connect(target.address, transports=transports)
+        await peer.put(await peer.region("kv"), src[0 : 1 << 20])
+    lb = me.loopback()
+    remote = await lb.region("src")
+    asyncio.ensure_future(lb.put(remote[0 : 32 << 20], src[32 << 20 :]))  # in flight at exit
+    dropped = aiohixl.Agent("dropped")
+    dropped.register(bytearray(4096))
+    del dropped
+    gc.collect()  # collected while the loop runs: warned and freed, no crash
+    await asyncio.sleep(0)
+    if sys.argv[1] == "raise":
+        raise RuntimeError("escaped main() before aclose()")
+    raise SystemExit(0)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_agents_left_open_at_exit_warn_and_do_not_crash(tmp_path, how):
+    """A program that ends with agents open (peers, regions, an op in flight) exits cleanly, with ResourceWarnings."""
+    script = tmp_path / "leave_open.py"
+    script.write_text(EXIT_WITH_AGENTS_OPEN)
+    proc = subprocess.run(
+        [sys.executable, "-W", "always", str(script), how],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=str(tmp_path),
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert proc.returncode == (0 if how == "exit" else 1), proc.stderr[-3000:]
+    assert proc.stderr.count("ResourceWarning: unclosed <Agent") == 3, proc.stderr[-3000:]
+    assert "'dropped'" in proc.stderr and "'me'" in proc.stderr and "'t'" in proc.stderr
+    if how == "raise":
+        assert "escaped main() before aclose()" in proc.stderr
 
 
 async def test_ten_thousand_concurrent_ops(agent):
