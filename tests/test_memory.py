@@ -46,6 +46,30 @@ async def test_register_torch_cpu_tensor(agent):
     await region.close()
 
 
+async def test_registered_tensor_storage_cannot_be_pulled_away(agent):
+    """resize_() would free the registered memory, set_() swap it: neither may leave the region dangling."""
+    torch = pytest.importorskip("torch")
+    rw = Access.REMOTE_READ | Access.REMOTE_WRITE
+    grown = torch.zeros(1 << 18, dtype=torch.float32)  # 1 MiB: its own mapping, unmapped when freed
+    swapped = torch.zeros(1 << 18, dtype=torch.float32)
+    r_grown = agent.register(grown, name="grown", access=rw)
+    r_swapped = agent.register(swapped, name="swapped", access=rw)
+    with pytest.raises(RuntimeError, match="not resizable"):
+        grown.resize_(1 << 24)
+    swapped.set_(torch.ones(16))  # the tensor moves away; the region keeps the memory it registered
+    src = agent.register(np.full(1 << 18, 7.0, dtype=np.float32))
+    peer = agent.loopback()
+    await peer.put(await peer.region("grown"), src)
+    await peer.put(await peer.region("swapped"), src)
+    assert bool((grown == 7.0).all())
+    assert np.array_equal(np.frombuffer(r_swapped.memory, dtype=np.float32), np.full(1 << 18, 7.0, np.float32))
+    view = grown[10:20]
+    await r_grown.close()
+    await r_swapped.close()
+    del grown
+    assert float(view[0]) == 7.0  # a view keeps the memory alive after the region and the tensor are gone
+
+
 async def test_non_contiguous_is_refused(agent):
     with pytest.raises(aiohixl.UnsupportedMemory, match="contiguous"):
         agent.register(np.zeros((8, 8))[:, ::2])
