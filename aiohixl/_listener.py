@@ -44,7 +44,8 @@ class Served:
 
 
 class Listener:
-    """``lookup(by_name, name, region_id)`` gives a region's descriptor, or None when there is none."""
+    """``lookup(by_name, name, region_id, key)`` gives a region's descriptor, or None when there is none
+    (or the key is not the region's)."""
 
     def __init__(
         self,
@@ -53,7 +54,7 @@ class Listener:
         token: bytes,
         transports: Iterable[Transport],
         identity: Callable[[], c.Identity],
-        lookup: Callable[[bool, str, int], bytes | None],
+        lookup: Callable[[bool, str, int, int], bytes | None],
         published: Callable[[], list[bytes]],
         heartbeat: tuple[float, float],
         spawn: Callable[..., None],
@@ -130,9 +131,9 @@ class Listener:
         label = f"peer {hello.info.name!r}"
 
         async def on_lookup(r: w.Reader) -> None:
-            req, by, name, region_id = r.u32(), r.u8(), r.str(), r.u32()
+            req, by, name, region_id, key = r.u32(), r.u8(), r.str(), r.u32(), r.u64()
             r.end()
-            desc = self.lookup(by == w.BY_NAME, name, region_id)
+            desc = self.lookup(by == w.BY_NAME, name, region_id, key)
             if desc is None:
                 frame = w.Writer().u32(req).u8(w.LOOKUP_UNKNOWN).blob(b"").frame(w.REGION)
             else:

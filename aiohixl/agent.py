@@ -5,7 +5,9 @@ from __future__ import annotations
 import atexit
 import collections
 import errno
+import hmac
 import os
+import secrets
 import uuid
 import warnings
 import weakref
@@ -299,15 +301,17 @@ class Agent:
     def register(self, obj: Any, *, access: Access | None = None, name: str | None = None) -> Region:
         """Register a C-contiguous buffer (bytearray, memoryview, mmap, numpy) or torch CPU tensor.
 
-        ``access`` says what peers may do; by default REMOTE_READ|REMOTE_WRITE,
-        or REMOTE_READ alone for a read-only buffer. The buffer is pinned
-        (a bytearray cannot be resized) until the region is closed.
+        ``access`` says what peers may do; by default nothing (``Access.NONE``):
+        memory registered as the local end of ops. Give ``REMOTE_WRITE`` and/or
+        ``REMOTE_READ`` for memory peers should reach; they reach it by its
+        ``name`` (published) or by its descriptor, never by guessing. The
+        buffer is pinned (a bytearray cannot be resized) until the region is closed.
         """
         self.check_open("Agent.register")
         _check_region_args(access, name, "Agent.register")
         pinned = pin(obj, "Agent.register")
         if access is None:
-            access = Access.REMOTE_READ if pinned.readonly else Access.REMOTE_READ | Access.REMOTE_WRITE
+            access = Access.NONE  # nothing a peer can do unless asked for
         if pinned.readonly and access & Access.REMOTE_WRITE:
             pinned.release()
             raise InvalidArgument(f"Agent.register: {type(obj).__name__} is read-only but access asks for REMOTE_WRITE")
@@ -317,7 +321,12 @@ class Agent:
         return self._add_region(pinned, Access(access), name, "Agent.register")
 
     def allocate(self, nbytes: int, *, access: Access | None = None, name: str | None = None) -> Region:
-        """Allocate ``nbytes`` of zero-filled, page-aligned memory (memfd-backed) and register it."""
+        """Allocate ``nbytes`` of zero-filled, page-aligned memory (memfd-backed) and register it.
+
+        ``access`` defaults to REMOTE_READ|REMOTE_WRITE: allocated memory is made
+        for peers to reach (by its ``name`` or its descriptor), and holds nothing
+        of the program's until it is written.
+        """
         self.check_open("Agent.allocate")
         what = f"Agent.allocate({nbytes!r})"
         if isinstance(nbytes, bool) or not isinstance(nbytes, int):
@@ -344,11 +353,14 @@ class Agent:
                 raise InvalidArgument(f"{what}: a region named {name!r} is already registered")
         region_id = self._next_region
         self._next_region += 1
-        rc = lib.hx_region_add(self.engine.native, region_id, pinned.address, pinned.nbytes, int(access))
+        # Ids count up and are easy to guess; the key is not. Every access a
+        # peer makes carries it, and the native registry checks it.
+        key = secrets.randbits(64)
+        rc = lib.hx_region_add(self.engine.native, region_id, pinned.address, pinned.nbytes, int(access), key)
         if rc < 0:
             pinned.release()
             check(rc, what)
-        region = Region(self, region_id, pinned, access, name)
+        region = Region(self, region_id, pinned, access, name, key)
         self._regions[region_id] = region
         for transport in self._transports.values():
             transport.region_added(region)
@@ -378,6 +390,7 @@ class Agent:
             access=region.access,
             kind=region.kind,
             name=region.name,
+            key=region.key,
             keys=keys,
         )
 
@@ -405,8 +418,16 @@ class Agent:
         self._regions.pop(region.id, None)
         region.pinned.release()
 
-    def _lookup(self, by_name: bool, name: str, region_id: int) -> bytes | None:
-        region = self._named.get(name) if by_name else self.live_region(region_id)
+    def _lookup(self, by_name: bool, name: str, region_id: int, key: int) -> bytes | None:
+        """A published region by name, or any region by id and key (from its descriptor): never by id alone."""
+        if by_name:
+            region = self._named.get(name)
+        else:
+            region = self.live_region(region_id)
+            if region is not None and not hmac.compare_digest(
+                region.key.to_bytes(8, "little"), key.to_bytes(8, "little")
+            ):
+                region = None
         return None if region is None else self.describe(region)
 
     def _published(self) -> list[bytes]:

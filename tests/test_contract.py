@@ -198,6 +198,33 @@ async def test_refused_ops_leave_memory_untouched(path):
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_unnamed_regions_are_reachable_only_by_their_descriptor(path):
+    """Ids count from 1: a peer that guesses one without the region's key reaches nothing."""
+    size = 64 << 10
+    if path.target is None:
+        region = path.agent.allocate(size)  # no name: not published
+        path.arrays["hidden"] = np.frombuffer(region.memory, dtype=np.uint8)
+        desc = region.descriptor()
+    else:
+        kind = PATHS[path.name][1]
+        desc = bytes.fromhex((await path.target.alloc("hidden", size, kind=kind, publish=False))["descriptor"])
+    before = await path.hash("hidden", 0, size)
+    real = path.peer.remote_region(desc)
+    assert real.key != 0
+    if path.name != "verbs":  # verbs: the NIC checks the rkey, which the descriptor carries as well
+        for guess in range(1, real.id + 3):  # every id there is, with a guessed key
+            forged = RemoteRegion(dataclasses.replace(real.info, region_id=guess, key=real.key ^ 1))
+            with pytest.raises((aiohixl.RegionUnavailable, aiohixl.AccessDenied)):
+                await path.peer.put(forged[:16], path.src[:16])
+            with pytest.raises((aiohixl.RegionUnavailable, aiohixl.AccessDenied)):
+                await path.peer.get(path.dst[:16], forged[:16])
+        assert await path.hash("hidden", 0, size) == before
+    # with its descriptor, the same region is reachable
+    await path.peer.put(real, path.src[:size])
+    assert await path.hash("hidden", 0, size) == sha(path.src_arr[:size])
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_cancelled_op_still_lands_and_its_memory_stays_alive(path):
     n = SPACE
     src_arr = pattern(n, 11)

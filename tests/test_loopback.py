@@ -24,7 +24,9 @@ MARK = 0xEE
 
 async def test_refusals_leave_memory_untouched(agent):
     target = agent.register(bytearray(b"T" * 4096), name="t", access=Access.REMOTE_READ)
-    writable = agent.register(bytearray(b"W" * 4096), name="w")
+    writable = agent.register(
+        bytearray(b"W" * 4096), name="w", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE
+    )
     src = agent.register(bytearray(b"S" * 8192))
     peer = agent.loopback()
     t = await peer.region("t")
@@ -69,7 +71,9 @@ async def test_wrong_argument_types(agent):
 
 async def test_zero_length_is_a_no_op(agent):
     src = agent.register(bytearray(b"s" * 10))
-    dst = agent.register(bytearray(b"d" * 10), name="x")
+    dst = agent.register(
+        bytearray(b"d" * 10), name="x", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE
+    )
     peer = agent.loopback()
     x = await peer.region("x")
     before = agent.engine.completed
@@ -203,9 +207,13 @@ async def test_ten_thousand_concurrent_ops(agent):
     src_arr = random_bytes(n * size, seed=7)
     src = agent.register(src_arr)
     dst_arr = np.zeros(n * size, dtype=np.uint8)
-    agent.register(dst_arr, name="dst")
+    agent.register(dst_arr, name="dst", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
     big_src = agent.register(random_bytes(1 << 20, seed=8))
-    agent.register(np.zeros(100 << 20, dtype=np.uint8), name="bigdst")
+    agent.register(
+        np.zeros(100 << 20, dtype=np.uint8),
+        name="bigdst",
+        access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE,
+    )
     peer = agent.loopback()
     dst = await peer.region("dst")
     bigdst = await peer.region("bigdst")
@@ -225,7 +233,7 @@ async def test_max_inflight_waits_for_room():
     async with aiohixl.Agent(max_inflight=4) as agent:
         src = agent.register(random_bytes(8 << 20, seed=3))
         dst_arr = np.zeros(32 * (8 << 20), dtype=np.uint8)
-        agent.register(dst_arr, name="d")
+        agent.register(dst_arr, name="d", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
         peer = agent.loopback()
         d = await peer.region("d")
         await asyncio.gather(*(peer.put(d[i * (8 << 20) : (i + 1) * (8 << 20)], src) for i in range(32)))
@@ -236,7 +244,7 @@ async def test_timeout_raises_and_op_still_completes(agent):
     n = 256 << 20
     src = agent.register(np.ones(n, dtype=np.uint8))
     dst_arr = np.zeros(n, dtype=np.uint8)
-    agent.register(dst_arr, name="d")
+    agent.register(dst_arr, name="d", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
     peer = agent.loopback()
     d = await peer.region("d")
     with pytest.raises(aiohixl.TransferTimeout, match="Peer.put.*may still complete"):
@@ -252,7 +260,7 @@ async def test_close_agent_with_ops_in_flight():
     piece, pieces, ops = 2 << 20, 32, 16
     src = agent.register(random_bytes(piece, seed=2))
     dst_arr = np.zeros(ops * pieces * piece, dtype=np.uint8)
-    agent.register(dst_arr, name="d")
+    agent.register(dst_arr, name="d", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
     peer = agent.loopback()
     d = await peer.region("d")
     step = pieces * piece

@@ -25,7 +25,7 @@ from aiohixl.descriptor import decode
 )
 async def test_register_buffer_kinds_roundtrip(agent, make):
     obj = make()
-    region = agent.register(obj, name="r")
+    region = agent.register(obj, name="r", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
     assert region.nbytes == memoryview(obj).nbytes
     src = agent.register(bytearray(range(256)) * (region.nbytes // 256))
     peer = agent.loopback()
@@ -36,7 +36,7 @@ async def test_register_buffer_kinds_roundtrip(agent, make):
 async def test_register_torch_cpu_tensor(agent):
     torch = pytest.importorskip("torch")
     t = torch.zeros(1024, dtype=torch.float32)
-    region = agent.register(t, name="t")
+    region = agent.register(t, name="t", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
     src = agent.register(np.full(1024, 2.5, dtype=np.float32))
     peer = agent.loopback()
     await peer.put(await peer.region("t"), src)
@@ -80,13 +80,17 @@ async def test_non_contiguous_is_refused(agent):
 async def test_read_only_buffer(agent):
     with pytest.raises(aiohixl.InvalidArgument, match="REMOTE_WRITE"):
         agent.register(b"abcd", access=Access.REMOTE_WRITE)
-    ro = agent.register(b"abcd" * 1024)
+    ro = agent.register(b"abcd" * 1024, access=Access.REMOTE_READ)
     assert ro.access == Access.REMOTE_READ and ro.readonly
-    dst = agent.register(bytearray(4096), name="dst")
+    # register() exposes nothing unless asked; allocate() is memory made for peers
+    assert agent.register(bytearray(8)).access == Access.NONE
+    assert agent.register(b"x").access == Access.NONE
+    assert agent.allocate(8).access == Access.REMOTE_READ | Access.REMOTE_WRITE
+    dst = agent.register(bytearray(4096), name="dst", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
     peer = agent.loopback()
     await peer.put(await peer.region("dst"), ro)  # reading a read-only local buffer is fine
     assert bytes(dst.memory) == b"abcd" * 1024
-    agent.register(bytearray(4096), name="src")
+    agent.register(bytearray(4096), name="src", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
     with pytest.raises(aiohixl.AccessDenied, match="Peer.get.*read-only"):
         await peer.get(ro, await peer.region("src"))
 
@@ -206,7 +210,15 @@ def test_mutated_descriptors_are_refused_or_decoded_consistently(data):
     desc = bytearray(
         encode_info(
             RegionInfo(
-                bytes(range(16)), 7, 4096, 0x7F0000001000, Access.REMOTE_WRITE, "memfd", "kv", {1: b"\x01\x02\x03\x04"}
+                bytes(range(16)),
+                7,
+                4096,
+                0x7F0000001000,
+                Access.REMOTE_WRITE,
+                "memfd",
+                "kv",
+                key=0x0123456789ABCDEF,
+                keys={1: b"\x01\x02\x03\x04"},
             )
         )
     )

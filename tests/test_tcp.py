@@ -58,7 +58,7 @@ async def test_both_directions_at_once(pair):
     size, count = 1 << 20, 64
     async with aiohixl.Agent("back", listen="127.0.0.1:0", token=TOKEN, transports=TCP) as me:
         inbox_arr = np.zeros(size * count, dtype=np.uint8)
-        me.register(inbox_arr, name="inbox")
+        me.register(inbox_arr, name="inbox", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
         pump = asyncio.create_task(
             pair["target"].cmd(
                 op="pump", address=me.address, name="inbox", size=size, count=count, seed=99, transports=["tcp"]
@@ -113,7 +113,7 @@ async def test_client_refuses_listener_without_the_token():
     async def fake(stream):
         ch = c.Channel(stream)
         await ch.expect(w.HELLO, w.MAX_UNAUTH_FRAME)
-        await ch.send(w.Writer().u16(1).raw(os.urandom(32)).raw(os.urandom(32)).frame(w.CHALLENGE))
+        await ch.send(w.Writer().u16(w.VERSION_MAX).raw(os.urandom(32)).raw(os.urandom(32)).frame(w.CHALLENGE))
         await anyio.sleep(1)
 
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
@@ -159,7 +159,7 @@ async def _still_serving(victim) -> None:
     assert await victim.hash("kv", 0, 8) == sha(np.frombuffer(victim.probe.memory, dtype=np.uint8))
 
 
-hello = w.Writer().raw(w.MAGIC).u16(1).u16(1).u8(0).raw(bytes(32)).frame(w.HELLO)
+hello = w.Writer().raw(w.MAGIC).u16(w.VERSION_MIN).u16(w.VERSION_MAX).u8(0).raw(bytes(32)).frame(w.HELLO)
 frames = st.one_of(
     st.binary(max_size=300),
     st.builds(lambda t, b: w.Writer().raw(b).frame(t), st.integers(0, 255), st.binary(max_size=200)),

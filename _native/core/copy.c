@@ -65,8 +65,12 @@ static int acquire_all(hx_agent *a, hx_registry *remote, int opcode, const hx_sg
         int rc = hx_region_acquire(a, sges[i].local_region, sges[i].local_off, sges[i].len, 0, &local,
                                    &regions[2 * i]);
         if (rc == HX_OK) {
-            rc = hx_reg_acquire(remote, sges[i].remote_region, sges[i].remote_off, sges[i].len, need, &far,
-                                &regions[2 * i + 1]);
+            /* Loopback: the remote end is this agent's own registry, reached by
+             * descriptor like any peer's, so the key is checked. A same-host
+             * peer's maps hold only what the target itself handed out. */
+            const uint64_t *key = remote == &a->regs ? &sges[i].remote_key : NULL;
+            rc = hx_reg_acquire(remote, sges[i].remote_region, key, sges[i].remote_off, sges[i].len, need,
+                                &far, &regions[2 * i + 1]);
             if (rc != HX_OK)
                 hx_region_release(regions[2 * i]);
         }

@@ -46,7 +46,8 @@ int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_
                                            .region = sges[i].remote_region,
                                            .off = sges[i].remote_off + off,
                                            .len = len,
-                                           .op_id = op_id});
+                                           .op_id = op_id,
+                                           .key = sges[i].remote_key});
             f->hdrlen = REQ_SIZE;
             f->op = op;
             f->op_id = op_id;

@@ -91,12 +91,12 @@ int tcp_target_request(hx_agent *a, conn *c)
     uint8_t *ptr = NULL;
     hx_region *r = NULL;
     if (q.op == W_GET) {
-        int rc = hx_region_acquire(a, q.region, q.off, q.len, HX_ACCESS_REMOTE_READ, &ptr, &r);
+        int rc = hx_reg_acquire(&a->regs, q.region, &q.key, q.off, q.len, HX_ACCESS_REMOTE_READ, &ptr, &r);
         if (rc != HX_OK)
             return enqueue_response(a, c, R_DATA, rc, q.op_id, NULL, 0, NULL);
         return enqueue_response(a, c, R_DATA, HX_OK, q.op_id, ptr, q.len, r);
     }
-    c->rstatus = hx_region_acquire(a, q.region, q.off, q.len, HX_ACCESS_REMOTE_WRITE, &ptr, &r);
+    c->rstatus = hx_reg_acquire(&a->regs, q.region, &q.key, q.off, q.len, HX_ACCESS_REMOTE_WRITE, &ptr, &r);
     c->rregion = c->rstatus == HX_OK ? r : NULL;
     c->rdst = c->rstatus == HX_OK ? ptr : NULL;
     c->rlen = q.len;

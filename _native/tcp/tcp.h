@@ -2,7 +2,7 @@
  * connection, in both roles.
  *
  * Initiator: an op is cut into chunks of at most HX_TCP_CHUNK bytes, each a
- * request frame (a 40-byte header, then for a PUT the payload, sent straight
+ * request frame (a 48-byte header, then for a PUT the payload, sent straight
  * from the source memory with sendmsg). The target answers every request in
  * order, so responses are matched to the oldest outstanding chunk: no address
  * ever comes from the wire.
@@ -21,7 +21,7 @@
 #define AIOHIXL_TCP_H
 #include "internal.h"
 
-#define REQ_SIZE 40
+#define REQ_SIZE 48
 #define RESP_SIZE 32
 #define HX_TCP_CHUNK (1u << 20)
 #define OUTQ_HIGH 512 /* target stops reading requests above this many queued responses */
@@ -109,12 +109,13 @@ typedef struct tcp_agent {
 static inline tcp_agent *T(hx_agent *a) { return a->state[HX_TRANSPORT_TCP]; }
 
 /* wire.c: frame headers, all integers little endian. A request is magic,
- * op (W_*), region, offset, length (1..HX_TCP_CHUNK) and op id; a response
+ * op (W_*), region, offset, length (1..HX_TCP_CHUNK), op id and the region's
+ * key (from its descriptor); a response
  * magic, kind (R_*), status, op id and the length of the data that follows. */
 typedef struct {
     int op;
     uint32_t region;
-    uint64_t off, len, op_id;
+    uint64_t off, len, op_id, key;
 } tcp_req;
 
 typedef struct {

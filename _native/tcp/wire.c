@@ -1,7 +1,8 @@
 /* The tcp data frames' headers (docs/protocol.md, "Data frames").
  *
  * request, REQ_SIZE bytes:   0 magic u32, 4 op u8 (W_*), 8 region u32,
- *                            16 offset u64, 24 length u64, 32 op id u64
+ *                            16 offset u64, 24 length u64, 32 op id u64,
+ *                            40 region key u64
  * response, RESP_SIZE bytes: 0 magic u32, 4 kind u8 (R_*), 8 status i32,
  *                            16 op id u64, 24 length u64 of the data that follows
  *
@@ -29,6 +30,7 @@ void tcp_put_req(uint8_t *h, const tcp_req *r)
     put64(h + 16, r->off);
     put64(h + 24, r->len);
     put64(h + 32, r->op_id);
+    put64(h + 40, r->key);
 }
 
 void tcp_put_resp(uint8_t *h, const tcp_resp *r)
@@ -50,6 +52,7 @@ int tcp_get_req(const uint8_t *h, tcp_req *r)
     r->off = get64(h + 16);
     r->len = get64(h + 24);
     r->op_id = get64(h + 32);
+    r->key = get64(h + 40);
     if ((r->op != W_PUT && r->op != W_GET) || r->len == 0 || r->len > HX_TCP_CHUNK)
         return -1;
     return 0;

@@ -175,7 +175,9 @@ async def serve(max_size: int) -> None:
         agent.allocate(max_size, name="dst")  # memfd: mapped by same-host peers
 
         user = np.zeros(max_size, dtype=np.uint8)
-        agent.register(user, name="udst")  # user memory: cross-memory attach
+        agent.register(
+            user, name="udst", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE
+        )  # user memory: cross-memory attach
         print(agent.address, flush=True)
         loop = asyncio.get_running_loop()
         while True:

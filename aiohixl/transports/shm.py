@@ -10,6 +10,7 @@ region reachable neither way falls back to the next link (verbs, tcp).
 
 from __future__ import annotations
 
+import hmac
 import os
 import socket
 import struct
@@ -26,9 +27,9 @@ from ..errors import HixlError
 from ..memory import Access
 from .base import AgentView, ControlView, Dial, Link, ListenerView, Transport
 
-# The unix socket that hands out memfds: request region u32 + session[16],
-# answer status u8 + size u64 (+ the fd when status is FD_OK).
-_FD_REQUEST = struct.Struct("<I16s")
+# The unix socket that hands out memfds: request region u32 + key u64 +
+# session[16], answer status u8 + size u64 (+ the fd when status is FD_OK).
+_FD_REQUEST = struct.Struct("<IQ16s")
 _FD_ANSWER = struct.Struct("<BQ")
 FD_OK, FD_UNKNOWN, FD_ACCESS, FD_REFUSED = 0, 1, 2, 3
 
@@ -50,11 +51,11 @@ class ShmLink(Link):
         rid = info.region_id
         # The target's own word on the region, never the caller's descriptor:
         # a forged size or address must not reach a copy into its memory.
-        own = await control.region_info(rid, what)
+        own = await control.region_info(info, what)
         if own is None:
             return None
         if own.kind == "memfd" and self._uds is not None:
-            fd = await self._fetch_fd(rid)
+            fd = await self._fetch_fd(rid, own.key)
             if fd is not None:
                 try:
                     rc = lib.hx_shm_map(self.handle, rid, fd, own.nbytes, int(own.access))
@@ -67,10 +68,10 @@ class ShmLink(Link):
             return "shm-cma"
         return None
 
-    async def _fetch_fd(self, rid: int) -> int | None:
+    async def _fetch_fd(self, rid: int, key: int) -> int | None:
         async with self._uds_lock:
             try:
-                await self._uds.send(_FD_REQUEST.pack(rid, self._session))
+                await self._uds.send(_FD_REQUEST.pack(rid, key, self._session))
                 msg, fds = await self._uds.receive_fds(_FD_ANSWER.size, 1)
             except (*c.STREAM_ERRORS, ValueError):
                 return None
@@ -141,12 +142,14 @@ class ShmTransport(Transport):
             pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             while True:
                 request = await _receive_exactly(stream, _FD_REQUEST.size)
-                region_id, sid = _FD_REQUEST.unpack(request)
+                region_id, key, sid = _FD_REQUEST.unpack(request)
                 session = listener.session(sid)
                 if session is None or session.info.pid != pid or uid != os.getuid():
                     await stream.send(_FD_ANSWER.pack(FD_REFUSED, 0))
                     return
                 region = self.agent.live_region(region_id)
+                if region is not None and not hmac.compare_digest(_key_bytes(region.key), _key_bytes(key)):
+                    region = None  # a guessed id is no region at all
                 if region is None or region.pinned.fd is None:
                     await stream.send(_FD_ANSWER.pack(FD_UNKNOWN, 0))
                     continue
@@ -205,6 +208,10 @@ class ShmTransport(Transport):
         if reasons:
             c.log.info("aiohixl %s: shared memory with fallbacks: %s", what, "; ".join(reasons))
         return ShmLink(handle, uds, cma, info.session)
+
+
+def _key_bytes(key: int) -> bytes:
+    return key.to_bytes(8, "little")
 
 
 async def _receive_exactly(stream: Any, n: int) -> bytes:
