@@ -150,6 +150,8 @@ void tcp_conn_fail(hx_agent *a, conn *c, int status)
         hx_region_release(c->rregion);
         c->rregion = NULL;
     }
+    free(c->rcheck);
+    c->rcheck = NULL;
     if (c->target && c->in_payload) {
         c->in_payload = false;
         T(a)->io->payloads--;

@@ -26,7 +26,14 @@
 #define HX_TCP_CHUNK (1u << 20)
 #define OUTQ_HIGH 512 /* target stops reading requests above this many queued responses */
 
-enum { W_PUT = 1, W_GET = 2 };
+enum { W_PUT = 1, W_GET = 2, W_CHECK = 3 };
+/* W_CHECK: sent before the frames of an op of more than one frame. Its
+ * payload is one CHECK_ENTRY per piece of the op (region u32, 4 reserved,
+ * key u64, offset u64, length u64), its region field the op checked (W_PUT or
+ * W_GET). The target checks every entry before it places a byte; when one
+ * fails, the check and every later frame of that op id are refused with that
+ * status, so a refused op leaves the target's memory untouched. */
+#define CHECK_ENTRY 32
 enum { R_ACK = 1, R_DATA = 2 };
 
 /* An initiator's op: done when its last chunk is answered. */
@@ -80,6 +87,11 @@ typedef struct conn {
     int rstatus;
     hx_region *rregion;
     uint64_t rop_id;
+    uint8_t *rcheck;    /* a CHECK's payload being received (target) */
+    uint32_t rcheck_op; /* the op it checks: W_PUT or W_GET */
+    bool refusing;      /* a CHECK failed: refuse the rest of op refuse_op_id */
+    uint64_t refuse_op_id;
+    int refuse_status;
     frame *rframe;
     uint64_t last_rx_ns;
 } conn;

@@ -3,6 +3,8 @@
  * request, REQ_SIZE bytes:   0 magic u32, 4 op u8 (W_*), 8 region u32,
  *                            16 offset u64, 24 length u64, 32 op id u64,
  *                            40 region key u64
+ *                            (W_CHECK: region is the op checked, offset 0,
+ *                            length that of the entries that follow)
  * response, RESP_SIZE bytes: 0 magic u32, 4 kind u8 (R_*), 8 status i32,
  *                            16 op id u64, 24 length u64 of the data that follows
  *
@@ -53,7 +55,9 @@ int tcp_get_req(const uint8_t *h, tcp_req *r)
     r->len = get64(h + 24);
     r->op_id = get64(h + 32);
     r->key = get64(h + 40);
-    if ((r->op != W_PUT && r->op != W_GET) || r->len == 0 || r->len > HX_TCP_CHUNK)
+    if ((r->op != W_PUT && r->op != W_GET && r->op != W_CHECK) || r->len == 0 || r->len > HX_TCP_CHUNK)
+        return -1;
+    if (r->op == W_CHECK && (r->len % CHECK_ENTRY || (r->region != W_PUT && r->region != W_GET)))
         return -1;
     return 0;
 }
