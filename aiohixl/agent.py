@@ -71,8 +71,9 @@ class Agent:
     and ``rdma_retry_count`` its retry count: a dead peer's ops fail after
     about (retry_count + 1) * timeout.
     ``stall_timeout``: a tcp peer that stops sending in the middle of a put's
-    payload for this many seconds is disconnected (the region it was writing
-    stays busy, and Region.close() waiting, until then).
+    payload, or leaves one of our answers (a get's data) unread, for this many
+    seconds is disconnected (the region the frame touches stays busy, and
+    Region.close() waiting, until then).
     """
 
     def __init__(

@@ -5,6 +5,7 @@ import asyncio
 import os
 import signal
 import socket
+import struct
 import time
 
 import anyio
@@ -276,3 +277,40 @@ async def test_a_put_stalled_mid_payload_cannot_hold_a_region_forever():
             await ch.aclose()
     finally:
         await target.aclose()
+
+
+async def test_peer_that_never_reads_its_answers_is_cut_off_and_close_returns():
+    """A token holder sends gets, never reads the answers, keeps heart-beating: close() waits stall_timeout at most."""
+    stall = 1.0
+    async with aiohixl.Agent(
+        "t", listen="127.0.0.1:0", token=TOKEN, transports=TCP, stall_timeout=stall, heartbeat_timeout=600
+    ) as target:
+        region = target.allocate(8 << 20, name="kv")
+        info = region.agent._info(region)
+        port = int(target.address.rpartition(":")[2])
+        # Another host: the target waits for no withdrawal acknowledgement, only the data path can hold it.
+        me = c.Identity(os.urandom(16), "hoarder", c.HostIdentity("elsewhere/1", "boot-1", "ns"), ["tcp"])
+        ctl = c.Channel(await anyio.connect_tcp("127.0.0.1", port))
+        served = await c.client_handshake(ctl, TOKEN.encode(), w.ROLE_CONTROL, bytes(16), me, "hoarder")
+        handlers = {w.WITHDRAWN: lambda r: None}
+        session = c.Session(ctl, 0.2, 600, handlers, lambda reason: None, "hoarder")  # heart-beats on
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(session.run)
+            data = c.Channel(await anyio.connect_tcp("127.0.0.1", port))
+            await c.client_handshake(data, TOKEN.encode(), w.ROLE_DATA, served.session, me, "hoarder")
+            sock = data.stream.extra(anyio.abc.SocketAttribute.raw_socket)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            magic = int.from_bytes(b"HXDP", "little")
+            gets = b"".join(
+                struct.pack("<IB3xI4xQQQQ", magic, 2, info.region_id, 0, 1 << 20, i + 1, info.key) for i in range(64)
+            )
+            await data.stream.send(gets)  # 64 MiB of answers, never read
+            await anyio.sleep(0.5)
+            start = time.monotonic()
+            with anyio.fail_after(120):  # forever, before: the answers held the region
+                await region.close()
+            elapsed = time.monotonic() - start
+            assert elapsed < 30, elapsed
+            assert session.ended is None  # the control session lives: only the data connection was cut
+            tg.cancel_scope.cancel()
+        await data.aclose()

@@ -15,7 +15,7 @@
 
 static __thread uint8_t scratch[1 << 16]; /* payloads of refused PUTs go here */
 
-static uint64_t now_ns(void)
+uint64_t tcp_now_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -57,7 +57,7 @@ static int conn_read(hx_agent *a, conn *c)
             return -2;
         }
         if (c->target)
-            c->last_rx_ns = now_ns();
+            c->last_rx_ns = tcp_now_ns();
         if (c->in_payload) {
             c->rdone += (uint64_t)r;
             if (c->rdone < c->rlen)
@@ -100,6 +100,8 @@ static void sweep(hx_agent *a)
             tcp_conn_fail(a, c, req);
         if (c->broken && (c->target || atomic_load(&c->freeing))) {
             *pp = c->next_all;
+            if (c->target)
+                atomic_fetch_sub(&io->targets, 1);
             tcp_conn_destroy(c);
             continue;
         }
@@ -111,11 +113,20 @@ static void sweep(hx_agent *a)
 static void cut_stalled(hx_agent *a)
 {
     tcp_agent *t = T(a);
-    uint64_t now = now_ns();
+    uint64_t now = tcp_now_ns();
     pthread_mutex_lock(&t->lock);
-    for (conn *c = t->io->conns; c; c = c->next_all)
-        if (c->target && c->in_payload && !c->broken && now - c->last_rx_ns > t->stall_ns)
+    for (conn *c = t->io->conns; c; c = c->next_all) {
+        if (!c->target || c->broken)
+            continue;
+        if (c->in_payload && now - c->last_rx_ns > t->stall_ns)
             atomic_store(&c->fail_req, HX_E_PROTO);
+        /* Answers the peer does not read: a GET's data holds its region busy. */
+        pthread_mutex_lock(&c->lock);
+        bool stuck = c->unsent && now - c->last_tx_ns > t->stall_ns;
+        pthread_mutex_unlock(&c->lock);
+        if (stuck)
+            atomic_store(&c->fail_req, HX_E_PROTO);
+    }
     pthread_mutex_unlock(&t->lock);
 }
 
@@ -129,7 +140,8 @@ static void *io_main(void *arg)
     while (!atomic_load(&io->stop)) {
         /* A short spin after activity saves the wake-up of a blocked thread
          * for the next frame of a burst; an idle agent blocks. */
-        int timeout = now_ns() < active_until ? 0 : (io->payloads ? 1000 : -1);
+        bool watch = io->payloads || atomic_load(&io->targets);
+        int timeout = tcp_now_ns() < active_until ? 0 : (watch ? 1000 : -1);
         int n = epoll_wait(io->epfd, evs, 64, timeout);
         if (n < 0) {
             if (errno == EINTR)
@@ -137,7 +149,7 @@ static void *io_main(void *arg)
             break;
         }
         if (n > 0)
-            active_until = now_ns() + SPIN_NS;
+            active_until = tcp_now_ns() + SPIN_NS;
         else if (timeout == 0)
             sched_yield(); /* spinning: let the application's threads have the core */
         bool sweep_needed = false;
@@ -183,9 +195,9 @@ static void *io_main(void *arg)
                 }
             }
         }
-        if (io->payloads && now_ns() >= next_stall_check) {
+        if (watch && tcp_now_ns() >= next_stall_check) {
             cut_stalled(a);
-            next_stall_check = now_ns() + 1000000000ull;
+            next_stall_check = tcp_now_ns() + 1000000000ull;
             sweep_needed = true;
         }
         if (sweep_needed)
@@ -225,6 +237,7 @@ tcp_io *tcp_io_get(hx_agent *a, int *status)
     if (epoll_ctl(io->epfd, EPOLL_CTL_ADD, io->evfd, &ev) < 0)
         goto fail;
     atomic_init(&io->stop, false);
+    atomic_init(&io->targets, 0);
     t->io = io;
     if (pthread_create(&io->thread, NULL, io_main, a) != 0) {
         t->io = NULL;

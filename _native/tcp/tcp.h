@@ -94,11 +94,13 @@ typedef struct conn {
     int refuse_status;
     frame *rframe;
     uint64_t last_rx_ns;
+    uint64_t last_tx_ns; /* target: when the frame now at the head of the send queue became the head */
 } conn;
 
 /* The I/O thread, started with the agent's first tcp connection. */
 typedef struct tcp_io {
-    int payloads; /* target conns in the middle of a PUT payload (I/O thread only) */
+    int payloads;       /* target conns in the middle of a PUT payload (I/O thread only) */
+    atomic_int targets; /* target conns: their answers must drain, so the stall check runs */
     int epfd;
     int evfd;
     pthread_t thread;
@@ -109,7 +111,8 @@ typedef struct tcp_io {
 
 /* The transport's state in an agent: a->state[HX_TRANSPORT_TCP], made when
  * the agent is. A peer that stops in the middle of a PUT's payload for
- * stall_ns is cut off: the region it was writing is busy meanwhile, and
+ * stall_ns, or that leaves one of our answers (a GET's data) unread for
+ * stall_ns, is cut off: the region the frame touches is busy meanwhile, and
  * Region.close() waits for it. Live peers that merely have nothing to send
  * are never affected. */
 typedef struct tcp_agent {
@@ -119,6 +122,8 @@ typedef struct tcp_agent {
 } tcp_agent;
 
 static inline tcp_agent *T(hx_agent *a) { return a->state[HX_TRANSPORT_TCP]; }
+
+uint64_t tcp_now_ns(void);
 
 /* wire.c: frame headers, all integers little endian. A request is magic,
  * op (W_*), region, offset, length (1..HX_TCP_CHUNK), op id and the region's
