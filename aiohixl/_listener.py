@@ -22,6 +22,8 @@ from .errors import HixlError
 from .transports.base import Transport
 
 HANDSHAKE_TIMEOUT = 5.0
+# Connections from one address still in their handshake; more are closed at once.
+MAX_PENDING_PER_SOURCE = 32
 # How long a region close waits for same-host peers to stop using the region.
 WITHDRAW_TIMEOUT = 5.0
 
@@ -73,6 +75,7 @@ class Listener:
         self._listener: Any = None
         self._scope: anyio.CancelScope | None = None
         self._stopped = anyio.Event()
+        self._pending: dict[str, int] = {}
 
     def session(self, sid: bytes) -> Served | None:
         return self.sessions.get(sid)
@@ -89,7 +92,7 @@ class Listener:
                 async with anyio.create_task_group() as tg:
                     for transport in self.transports:
                         await transport.serve(self, tg.start_soon)
-                    await self._listener.serve(self._handle)
+                    await c.accept_forever(self._listener, self._handle, tg.start_soon, str(self.address))
         except Exception:
             c.log.exception("aiohixl listener %s stopped", self.address)
         finally:
@@ -104,8 +107,22 @@ class Listener:
         ch = c.Channel(stream)
         handed_off = False
         try:
-            with anyio.fail_after(HANDSHAKE_TIMEOUT):
-                hello = await c.server_handshake(ch, self.token)
+            source = str(stream.extra(anyio.abc.SocketAttribute.remote_address, ("?",))[0])
+        except Exception:
+            source = "?"
+        try:
+            if self._pending.get(source, 0) >= MAX_PENDING_PER_SOURCE:
+                c.log.warning("aiohixl %s: too many handshakes from %s at once; closed one", self.address, source)
+                return
+            self._pending[source] = self._pending.get(source, 0) + 1
+            try:
+                with anyio.fail_after(HANDSHAKE_TIMEOUT):
+                    hello = await c.server_handshake(ch, self.token)
+            finally:
+                if self._pending[source] <= 1:
+                    del self._pending[source]
+                else:
+                    self._pending[source] -= 1
             if hello.role == w.ROLE_DATA:
                 handed_off = await self._take_data(ch, hello)
             else:

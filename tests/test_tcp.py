@@ -3,6 +3,7 @@ failure of the peer, authentication, and hostile input to the listener."""
 
 import asyncio
 import os
+import resource
 import signal
 import socket
 import struct
@@ -314,3 +315,69 @@ async def test_peer_that_never_reads_its_answers_is_cut_off_and_close_returns():
             assert session.ended is None  # the control session lives: only the data connection was cut
             tg.cancel_scope.cancel()
         await data.aclose()
+
+
+async def test_listener_survives_fd_exhaustion_with_its_live_connections():
+    """Out of fds, accept() fails (EMFILE): the listener backs off and goes on; live connections are untouched."""
+    target = await Target.start()
+    try:
+        await target.alloc("kv", 1 << 20)
+        async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
+            peer = await agent.connect(target.address)
+            kv = await peer.region("kv")
+            src = agent.register(pattern(1 << 20, 3))
+            pid = target.proc.pid
+            used = len(os.listdir(f"/proc/{pid}/fd"))
+            # What `prlimit --pid PID --nofile=N:N` does: a few fds to spare, then none.
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (used + 6, used + 6))
+            hogs = [socket.create_connection(("127.0.0.1", target.port)) for _ in range(24)]
+            try:
+                for _ in range(100):  # until the target holds every fd it may
+                    if len(os.listdir(f"/proc/{pid}/fd")) >= used + 6:
+                        break
+                    await anyio.sleep(0.1)
+                assert len(os.listdir(f"/proc/{pid}/fd")) >= used + 6
+                await anyio.sleep(1.0)  # accept() has failed with EMFILE meanwhile
+                await peer.put(kv, src)  # the live connection was not collateral
+                assert await target.hash("kv", 0, 1 << 20) == sha(pattern(1 << 20, 3))
+            finally:
+                for s in hogs:
+                    s.close()
+            # fds come back: new connections are accepted again
+            peer2 = await agent.connect(target.address, timeout=60)
+            src2 = agent.register(pattern(1 << 20, 4))
+            await peer2.put(await peer2.region("kv"), src2)
+            assert await target.hash("kv", 0, 1 << 20) == sha(pattern(1 << 20, 4))
+            await peer.put(kv, src)
+            assert await target.hash("kv", 0, 1 << 20) == sha(pattern(1 << 20, 3))
+    finally:
+        await target.aclose()
+
+
+async def test_memfd_socket_checks_credentials_and_drops_idle_connections(monkeypatch):
+    from aiohixl.transports import shm
+
+    monkeypatch.setattr(shm, "HANDSHAKE_TIMEOUT", 0.5)
+    async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN) as target:
+        shm_transport = target._transports["shm"]
+        for _ in range(100):  # the listener starts its side servers in the background
+            if shm_transport._socket_name:
+                break
+            await anyio.sleep(0.05)
+        name = shm_transport._socket_name
+        assert name
+        idle = [await anyio.connect_unix(name) for _ in range(shm.MAX_PER_PID + 2)]
+        try:
+            # more than MAX_PER_PID from one process: closed at once; the rest once the timeout passes
+            with anyio.fail_after(30):
+                for s in idle:
+                    with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError)):
+                        await s.receive()
+        finally:
+            for s in idle:
+                await s.aclose()
+        # the socket still serves: a same-host peer maps memfd regions through it
+        target.allocate(4096, name="kv")
+        async with aiohixl.Agent("me", token=TOKEN, transports=("shm",)) as me:
+            peer = await me.connect(target.address)
+            assert await peer.path(await peer.region("kv")) == "shm-memfd"
