@@ -128,6 +128,7 @@ else:
 
 def _sink(mode: bytes) -> tuple[subprocess.Popen, socket.socket]:
     proc = subprocess.Popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
     port = int(proc.stdout.readline())
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -267,6 +268,7 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
             peer = agent.loopback()
         else:
             only = {"tcp": ("tcp",), "verbs": ("verbs", "tcp")}.get(name)
+            assert target is not None  # every path but loopback has its target process
             peer = await agent.connect(target.address, transports=only)
         remote = await peer.region("udst" if name == "shm-cma" else "dst")
         out["path"] = await peer.path(remote)
@@ -279,7 +281,7 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
         for size in plan.bw_sizes:
             depth = plan.inflight if size * plan.inflight <= max_size else max(1, max_size // size)
             row = {"one_gbps": await bandwidth(peer, remote, local, size, 1, plan.bw_seconds)}
-            cpu0 = target.cpu() if target else None
+            cpu0 = target.cpu() if target else 0.0
             t0 = time.perf_counter()
             row["inflight"] = depth
             row["inflight_gbps"] = await bandwidth(peer, remote, local, size, depth, plan.bw_seconds)
@@ -324,7 +326,7 @@ def ratio(a: float, b: float) -> str:
 def render_peers(r: Results) -> list[str]:
     """Peers beside the aiohixl path they compare with; ratios > 1 mean aiohixl is better."""
     lines = ["", "peers (two processes, host DRAM, one write at a time, target bytes verified):"]
-    sizes = [k for k in next(iter(r.transports.values()))["bandwidth"]] if r.transports else []
+    sizes = list(next(iter(r.transports.values()))["bandwidth"]) if r.transports else []
     head = f"  {'':<22}{'4 KiB lat':>11}{'64 KiB lat':>12}" + "".join(f"{s:>10}" for s in sizes)
     lines.append(head + "  idle CPU  verified")
     for label, p in r.peers.items():
@@ -344,7 +346,8 @@ def render_peers(r: Results) -> list[str]:
         if ours is None:
             continue
         olat = ours["latency"]
-        row = f"  {'aiohixl ' + ours_name:<22}{olat['put 4 KiB']['median_us']:>8.1f} us{olat['put 64 KiB']['median_us']:>9.1f} us"
+        row = f"  {'aiohixl ' + ours_name:<22}{olat['put 4 KiB']['median_us']:>8.1f} us"
+        row += f"{olat['put 64 KiB']['median_us']:>9.1f} us"
         row += "".join(f"{ours['bandwidth'][s]['one_gbps']:>10.2f}" for s in sizes)
         idle = r.machine.get("idle", {}).get("initiator_pct", float("nan"))
         lines.append(row + f"  {idle:6.1f}%  {ours.get('verified')}")
@@ -446,7 +449,7 @@ def render(r: Results) -> str:
     return "\n".join(lines)
 
 
-PEER_RUNS = (
+PEER_RUNS: tuple[tuple[str, str, dict[str, str], str], ...] = (
     # (label, peer, env, the aiohixl transport it is compared with)
     ("nixl (UCX default)", "nixl", {}, "shm-cma"),
     ("nixl UCX_TLS=tcp", "nixl", {"UCX_TLS": "tcp"}, "tcp"),

@@ -76,7 +76,7 @@ def _serve(buf: np.ndarray, hello: dict, on_line: Callable[[str], None] | None =
             return
         if cmd[0] == "hash":
             off, n = int(cmd[1]), int(cmd[2])
-            _say(hashlib.sha256(buf[off : off + n]).hexdigest())
+            _say(hashlib.sha256(buf[off : off + n].tobytes()).hexdigest())
         elif on_line is not None:
             on_line(line)
             _say("ok")
@@ -187,7 +187,7 @@ def initiator(
                     raise RuntimeError(f"mooncake transfer of {n} bytes failed")
 
         result = _measure(write, sizes, lat_sizes, ops, seconds)
-        verified = target.ask(f"hash 0 {size}") == hashlib.sha256(src).hexdigest()
+        verified = target.ask(f"hash 0 {size}") == hashlib.sha256(src.tobytes()).hexdigest()
         result["verified"] = verified
         # What the initiator's process burns while connected and doing nothing.
         cpu0, t0 = time.process_time(), time.perf_counter()
