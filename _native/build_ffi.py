@@ -14,7 +14,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Every .c of every folder: core/ (agent, registry, ring, pool, copies, the
 # transport table) and one folder per transport. Headers: hixl.h (the
 # interface), internal.h (shared by all), <transport>/<transport>.h (private).
-SOURCES = sorted(s for s in glob.glob(os.path.join(HERE, "*", "*.c")) if os.path.basename(os.path.dirname(s)) != "bench")
+SOURCES = sorted(
+    s for s in glob.glob(os.path.join(HERE, "*", "*.c")) if os.path.basename(os.path.dirname(s)) != "bench"
+)
 # With rdma-core's headers the verbs transport is compiled in; libibverbs
 # itself is only dlopen()ed when an agent opens a device.
 HAVE_VERBS = os.path.exists("/usr/include/infiniband/verbs.h") and os.environ.get("AIOHIXL_NO_VERBS") != "1"
@@ -28,6 +30,11 @@ def _cdef() -> str:
     return re.sub(r"/\*.*?\*/", "", block, flags=re.S)
 
 
+# AIOHIXL_SANITIZE=1 (make test-asan): AddressSanitizer + UBSan. Python itself is not
+# instrumented, so the test run preloads libasan.
+SANITIZE = os.environ.get("AIOHIXL_SANITIZE") == "1"
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-g"]
+
 ffibuilder = FFI()
 ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
@@ -36,7 +43,9 @@ ffibuilder.set_source(
     sources=[os.path.relpath(s) for s in SOURCES],
     include_dirs=[os.path.relpath(HERE)],
     # Portable code only: the Soft-RoCE VM and users' CPUs may lack AVX-512.
-    extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11"],
+    extra_compile_args=["-O1" if SANITIZE else "-O2", "-Wall", "-Wextra", "-std=gnu11"]
+    + (SANITIZE_FLAGS if SANITIZE else []),
+    extra_link_args=SANITIZE_FLAGS if SANITIZE else [],
     define_macros=[("HX_HAVE_VERBS", "1")] if HAVE_VERBS else [],
     libraries=["pthread", "dl"],
 )

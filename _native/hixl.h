@@ -53,9 +53,10 @@ typedef struct {
 
 /* One contiguous piece of an op: local region + offset <-> remote region + offset.
  * loopback, shm and tcp address the remote end with remote_region and
- * remote_off. verbs uses rkey and raddr instead, both set by the initiator:
- * the remote region's rkey and the remote virtual address of this piece (the
- * remote NIC checks both). */
+ * remote_off, and prove they were given the region with remote_key (its
+ * descriptor's key, checked by the target on every access). verbs uses rkey and raddr instead, both set by
+ * the initiator: the remote region's rkey and the remote virtual address of this piece (the remote NIC checks
+ * both). */
 typedef struct {
     uint32_t local_region;
     uint32_t remote_region;
@@ -64,12 +65,14 @@ typedef struct {
     uint64_t len;
     uint32_t rkey;
     uint64_t raddr;
+    uint64_t remote_key;
 } hx_sge;
 
 hx_agent *hx_agent_new(uint32_t ring_capacity, uint32_t copy_threads, int *status);
 int hx_agent_wake_fd(hx_agent *a);
-/* tcp: a connection whose PUT payload stops arriving for ns nanoseconds is
- * closed (default 10 s), so a region it was writing cannot stay busy forever. */
+/* tcp: a connection whose PUT payload stops arriving, or that stops reading
+ * the answers to its requests, for ns nanoseconds is closed (default 10 s), so
+ * a region it was writing or reading cannot stay busy forever. */
 void hx_agent_set_stall(hx_agent *a, uint64_t ns);
 /* Takes up to max completions; returns how many. Clears the wake fd first. */
 int hx_agent_drain(hx_agent *a, hx_completion *out, int max);
@@ -88,7 +91,9 @@ void hx_agent_set_heartbeat(hx_agent *a, uint64_t interval_ns, uint64_t timeout_
 void hx_agent_shutdown(hx_agent *a);
 void hx_agent_free(hx_agent *a);
 
-int hx_region_add(hx_agent *a, uint32_t id, uint64_t addr, uint64_t len, uint32_t access);
+/* key: the region's secret, in its descriptor; a peer's access (tcp request,
+ * loopback op) must carry it. */
+int hx_region_add(hx_agent *a, uint32_t id, uint64_t addr, uint64_t len, uint32_t access, uint64_t key);
 /* Withdraws a region: no new access starts; with wait != 0 blocks until the
  * accesses in progress end, else returns HX_E_BUSY while any is in progress
  * (the region stays withdrawn either way). */

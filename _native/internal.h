@@ -18,6 +18,7 @@ typedef struct hx_region {
     uint32_t access;
     uint8_t *base;
     uint64_t len;
+    uint64_t key;  /* what a peer's access must carry (the agent's own regions) */
     uint32_t busy; /* accesses in progress; guarded by reg->lock */
     bool removed;
     uint8_t kind; /* HX_MEM_*: how the bytes are reached */
@@ -145,14 +146,20 @@ struct hx_agent {
 /* core/registry.c */
 void hx_reg_init(hx_registry *reg);
 void hx_reg_destroy(hx_registry *reg);
-int hx_reg_add(hx_registry *reg, uint32_t id, uint8_t *base, uint64_t len, uint32_t access, int kind);
+int hx_reg_add(hx_registry *reg, uint32_t id, uint8_t *base, uint64_t len, uint32_t access, int kind,
+               uint64_t key);
 /* Withdraws; with wait, blocks until idle. On HX_OK, base and len say what it was. */
 int hx_reg_remove(hx_registry *reg, uint32_t id, int wait, uint8_t **base, uint64_t *len);
 /* The region with this id, removed or not; caller holds reg->lock. */
 hx_region *hx_reg_find_locked(hx_registry *reg, uint32_t id);
-int hx_reg_acquire(hx_registry *reg, uint32_t id, uint64_t off, uint64_t len, uint32_t need, uint8_t **ptr,
-                   hx_region **out);
-/* hx_reg_acquire on the agent's own registry. */
+/* Checks liveness, the key (unless key is NULL: a local access), rights and
+ * bounds, then counts an access in progress. A wrong key reads as no region. */
+int hx_reg_acquire(hx_registry *reg, uint32_t id, const uint64_t *key, uint64_t off, uint64_t len,
+                   uint32_t need, uint8_t **ptr, hx_region **out);
+/* The same checks, nothing acquired. */
+int hx_reg_check(hx_registry *reg, uint32_t id, const uint64_t *key, uint64_t off, uint64_t len,
+                 uint32_t need);
+/* hx_reg_acquire on the agent's own registry, for this agent's own ops (no key). */
 int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len, uint32_t need, uint8_t **ptr,
                       hx_region **out);
 void hx_region_release(hx_region *r);

@@ -18,6 +18,7 @@ from .errors import (
     TransferError,
     TransferTimeout,
     UnsupportedMemory,
+    WrongEventLoop,
 )
 from .memory import Access, Region, RegionSlice
 from .notifications import Notification
@@ -51,5 +52,6 @@ __all__ = [
     "TransferTimeout",
     "NotificationTimeout",
     "Notification",
+    "WrongEventLoop",
     "__version__",
 ]

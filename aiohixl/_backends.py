@@ -30,6 +30,10 @@ class Backend:
     def spawn(self, fn: Callable[[], Any], name: str) -> None:
         """Run ``fn()`` in the background; it must catch its own exceptions."""
 
+    def is_current(self) -> bool:
+        """Whether the caller runs in the event loop (trio run) this backend was made in."""
+        return True
+
 
 class AsyncioBackend(Backend):
     name = "asyncio"
@@ -37,6 +41,12 @@ class AsyncioBackend(Backend):
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task] = set()
+
+    def is_current(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:  # no loop running in this thread
+            return False
 
     def watch(self, fd: int, on_readable: Callable[[], None]) -> None:
         self.loop.add_reader(fd, on_readable)
@@ -85,6 +95,13 @@ class TrioBackend(Backend):
 
         self.trio = trio
         self._scope: Any = None
+        self._token = trio.lowlevel.current_trio_token()
+
+    def is_current(self) -> bool:
+        try:
+            return self.trio.lowlevel.current_trio_token() is self._token
+        except RuntimeError:  # not inside trio.run
+            return False
 
     def watch(self, fd: int, on_readable: Callable[[], None]) -> None:
         trio = self.trio

@@ -43,6 +43,45 @@ STREAM_ERRORS = (
 )
 
 
+ACCEPT_BACKOFF_MAX = 1.0
+
+
+async def accept_forever(
+    listener: Any, handler: Callable[[Any], Any], start_soon: Callable[..., Any], what: str
+) -> None:
+    """Accept connections on an anyio listener (or MultiListener) until it is closed.
+
+    An accept that fails (EMFILE when the process is out of fds, ENOBUFS, a
+    connection aborted before it was accepted) is survived: logged once, then
+    retried with a growing pause, so the listener, and every connection it
+    already serves, outlives it. Each connection runs ``handler(stream)`` in
+    ``start_soon``'s task group and must catch its own errors.
+    """
+    listeners = getattr(listener, "listeners", [listener])
+
+    async def one(lst: Any) -> None:
+        pause = 0.0
+        while True:
+            try:
+                stream = await lst.accept()
+            except (anyio.ClosedResourceError, anyio.get_cancelled_exc_class()):
+                raise
+            except (OSError, anyio.BrokenResourceError) as exc:
+                if not pause:
+                    log.warning("aiohixl %s: cannot accept connections (%s); retrying", what, exc)
+                pause = min(ACCEPT_BACKOFF_MAX, pause * 2 or 0.01)
+                await anyio.sleep(pause)
+                continue
+            if pause:
+                log.warning("aiohixl %s: accepting connections again", what)
+                pause = 0.0
+            start_soon(handler, stream)
+
+    async with anyio.create_task_group() as tg:
+        for lst in listeners:
+            tg.start_soon(one, lst)
+
+
 def resolve_token(token: str | bytes | None, what: str) -> bytes:
     if token is None:
         token = os.environ.get("AIOHIXL_TOKEN")

@@ -16,7 +16,7 @@ import anyio
 
 from ._backends import Backend, current_backend
 from ._native import check, ffi, lib, status_error
-from .errors import ClosedError, HixlError, TransferTimeout
+from .errors import ClosedError, HixlError, TransferTimeout, WrongEventLoop
 from .memory import Region
 
 __all__ = ["Engine"]
@@ -74,16 +74,26 @@ class Engine:
         """As many ops outstanding as the completion ring holds: the next must wait (admit)."""
         return len(self._ops) >= self.capacity
 
-    def attach(self) -> Backend:
-        """Bind to the running event loop (once; later calls return the same backend)."""
-        if self.backend is None:
-            self.backend = current_backend()
-            self.backend.watch(self.fd, self.drain)
-        return self.backend
+    def attach(self, what: str = "aiohixl") -> Backend:
+        """Bind to the running event loop (once; later calls return the same backend).
 
-    async def admit(self) -> None:
+        An agent belongs to the loop that first used it: a call from another
+        loop or thread raises WrongEventLoop before anything is posted.
+        """
+        backend = self.backend
+        if backend is None:
+            backend = self.backend = current_backend()
+            backend.watch(self.fd, self.drain)
+        elif not backend.is_current():
+            raise WrongEventLoop(
+                f"{what}: this agent belongs to the event loop that started it; it cannot be used"
+                " from another event loop or thread"
+            )
+        return backend
+
+    async def admit(self, what: str = "aiohixl") -> None:
         """Wait for room in the completion ring: completions are never dropped."""
-        backend = self.attach()
+        backend = self.attach(what)
         while len(self._ops) >= self.capacity:
             waiter = backend.new_waiter()
             self._slot_waiters.append(waiter)
@@ -222,7 +232,10 @@ class Engine:
         if self.native is None:
             return
         if self.backend is not None:
-            self.backend.unwatch(self.fd)
+            try:
+                self.backend.unwatch(self.fd)
+            except RuntimeError:
+                pass  # the loop is closed (an agent freed at exit): nothing watches any more
         lib.hx_agent_free(self.native)
         self.native = None
 

@@ -23,6 +23,8 @@ from .errors import HixlError
 from .transports.base import Transport
 
 HANDSHAKE_TIMEOUT = 5.0
+# Connections from one address still in their handshake; more are closed at once.
+MAX_PENDING_PER_SOURCE = 32
 # How long a region close waits for same-host peers to stop using the region.
 WITHDRAW_TIMEOUT = 5.0
 
@@ -45,7 +47,8 @@ class Served:
 
 
 class Listener:
-    """``lookup(by_name, name, region_id)`` gives a region's descriptor, or None when there is none."""
+    """``lookup(by_name, name, region_id, key)`` gives a region's descriptor, or None when there is none
+    (or the key is not the region's)."""
 
     def __init__(
         self,
@@ -54,7 +57,7 @@ class Listener:
         token: bytes,
         transports: Iterable[Transport],
         identity: Callable[[], c.Identity],
-        lookup: Callable[[bool, str, int], bytes | None],
+        lookup: Callable[[bool, str, int, int], bytes | None],
         published: Callable[[], list[bytes]],
         heartbeat: tuple[float, float],
         spawn: Callable[..., None],
@@ -75,6 +78,7 @@ class Listener:
         self._listener: Any = None
         self._scope: anyio.CancelScope | None = None
         self._stopped = anyio.Event()
+        self._pending: dict[str, int] = {}
 
     def session(self, sid: bytes) -> Served | None:
         return self.sessions.get(sid)
@@ -91,7 +95,7 @@ class Listener:
                 async with anyio.create_task_group() as tg:
                     for transport in self.transports:
                         await transport.serve(self, tg.start_soon)
-                    await self._listener.serve(self._handle)
+                    await c.accept_forever(self._listener, self._handle, tg.start_soon, str(self.address))
         except Exception:
             c.log.exception("aiohixl listener %s stopped", self.address)
         finally:
@@ -106,8 +110,22 @@ class Listener:
         ch = c.Channel(stream)
         handed_off = False
         try:
-            with anyio.fail_after(HANDSHAKE_TIMEOUT):
-                hello = await c.server_handshake(ch, self.token)
+            source = str(stream.extra(anyio.abc.SocketAttribute.remote_address, ("?",))[0])
+        except Exception:
+            source = "?"
+        try:
+            if self._pending.get(source, 0) >= MAX_PENDING_PER_SOURCE:
+                c.log.warning("aiohixl %s: too many handshakes from %s at once; closed one", self.address, source)
+                return
+            self._pending[source] = self._pending.get(source, 0) + 1
+            try:
+                with anyio.fail_after(HANDSHAKE_TIMEOUT):
+                    hello = await c.server_handshake(ch, self.token)
+            finally:
+                if self._pending[source] <= 1:
+                    del self._pending[source]
+                else:
+                    self._pending[source] -= 1
             if hello.role == w.ROLE_DATA:
                 handed_off = await self._take_data(ch, hello)
             else:
@@ -133,9 +151,9 @@ class Listener:
         label = f"peer {hello.info.name!r}"
 
         async def on_lookup(r: w.Reader) -> None:
-            req, by, name, region_id = r.u32(), r.u8(), r.str(), r.u32()
+            req, by, name, region_id, key = r.u32(), r.u8(), r.str(), r.u32(), r.u64()
             r.end()
-            desc = self.lookup(by == w.BY_NAME, name, region_id)
+            desc = self.lookup(by == w.BY_NAME, name, region_id, key)
             if desc is None:
                 frame = w.Writer().u32(req).u8(w.LOOKUP_UNKNOWN).blob(b"").frame(w.REGION)
             else:

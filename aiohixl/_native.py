@@ -18,7 +18,10 @@ _STATUS = {
     lib.HX_E_PROTO: (errors.ProtocolError, "malformed message from the peer"),
     lib.HX_E_NOMEM: (MemoryError, "out of memory"),
     lib.HX_E_BUSY: (errors.HixlError, "region busy"),
-    lib.HX_E_INVAL: (errors.InvalidArgument, "invalid argument"),
+    lib.HX_E_INVAL: (
+        errors.InvalidArgument,
+        "invalid argument (e.g. destinations overlapping sources of one submission)",
+    ),
     lib.HX_E_SYS: (OSError, "system call failed"),
     lib.HX_E_REMOTE: (errors.TransferError, "the target refused the op"),
     lib.HX_E_SILENT: (errors.ConnectionLost, "the peer went silent (no heartbeat within the heartbeat timeout)"),

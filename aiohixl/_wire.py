@@ -15,8 +15,8 @@ from typing import Any
 from .errors import ProtocolError
 
 MAGIC = b"HXCP"
-VERSION_MIN = 1
-VERSION_MAX = 1
+VERSION_MIN = 2
+VERSION_MAX = 2
 
 # Before authentication a peer may send only this much per frame.
 MAX_UNAUTH_FRAME = 4096
@@ -83,6 +83,10 @@ class Writer:
         self.parts.append(struct.pack("<I", v))
         return self
 
+    def u64(self, v: int) -> Writer:
+        self.parts.append(struct.pack("<Q", v))
+        return self
+
     def raw(self, b: bytes) -> Writer:
         self.parts.append(bytes(b))
         return self
@@ -131,6 +135,9 @@ class Reader:
 
     def u32(self) -> int:
         return struct.unpack("<I", self.raw(4))[0]
+
+    def u64(self) -> int:
+        return struct.unpack("<Q", self.raw(8))[0]
 
     def str(self) -> str:
         n = self.u16()

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
+import errno
+import hmac
 import os
+import secrets
 import uuid
+import warnings
+import weakref
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -53,8 +59,9 @@ class Agent:
     and ``rdma_retry_count`` its retry count: a dead peer's ops fail after
     about (retry_count + 1) * timeout.
     ``stall_timeout``: a tcp peer that stops sending in the middle of a put's
-    payload for this many seconds is disconnected (the region it was writing
-    stays busy, and Region.close() waiting, until then).
+    payload, or leaves one of our answers (a get's data) unread, for this many
+    seconds is disconnected (the region the frame touches stays busy, and
+    Region.close() waiting, until then).
     """
 
     def __init__(
@@ -122,6 +129,7 @@ class Agent:
         self._peers: set[Peer] = set()
         self._next_region = 1
         self._closed = False
+        _OPEN.add(self)
 
     # ---- lifetime ----
 
@@ -132,7 +140,7 @@ class Agent:
     async def start(self) -> None:
         """Bind to the running event loop and start listening (if ``listen`` was given)."""
         self.check_open("Agent.start")
-        backend = self.engine.attach()
+        backend = self.engine.attach("Agent.start")
         self._open_transports()
         if self._listen is not None and self._listener is None:
             host, port = self._listen
@@ -264,6 +272,40 @@ class Agent:
         self._regions.clear()
         self._named.clear()
 
+    def _close_abandoned(self) -> None:
+        """An agent nobody closed (collected, or open at exit): warn, then free everything, synchronously.
+
+        Native threads stop first, so nothing touches registered memory any
+        more; then the peers' native handles, then the agent's; the pinned
+        buffers last, each cffi buffer before the memoryview it exports, so the
+        garbage collector never clears a view that is still exported.
+        """
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        warnings.warn(
+            f"unclosed {self!r}: close it with 'await agent.aclose()'", ResourceWarning, stacklevel=2, source=self
+        )
+        engine = self.engine
+        if engine.native is not None:  # else the engine was finalized first, and took its threads with it
+            lib.hx_agent_shutdown(engine.native)
+            for peer in list(self._peers):
+                peer.free()
+            try:
+                engine.free()
+            except Exception:  # the loop is gone: only the native side is left to free
+                lib.hx_agent_free(engine.native)
+                engine.native = None
+        self._peers.clear()
+        for region in self._regions.values():
+            region.closed = True
+            region.pinned.release()
+        self._regions.clear()
+        self._named.clear()
+
+    def __del__(self) -> None:
+        self._close_abandoned()
+
     def check_open(self, what: str) -> None:
         if self._closed:
             raise ClosedError(f"{what}: agent {self.name!r} is closed")
@@ -273,14 +315,17 @@ class Agent:
     def register(self, obj: Any, *, access: Access | None = None, name: str | None = None) -> Region:
         """Register a C-contiguous buffer (bytearray, memoryview, mmap, numpy) or torch CPU tensor.
 
-        ``access`` says what peers may do; by default REMOTE_READ|REMOTE_WRITE,
-        or REMOTE_READ alone for a read-only buffer. The buffer is pinned
-        (a bytearray cannot be resized) until the region is closed.
+        ``access`` says what peers may do; by default nothing (``Access.NONE``):
+        memory registered as the local end of ops. Give ``REMOTE_WRITE`` and/or
+        ``REMOTE_READ`` for memory peers should reach; they reach it by its
+        ``name`` (published) or by its descriptor, never by guessing. The
+        buffer is pinned (a bytearray cannot be resized) until the region is closed.
         """
         self.check_open("Agent.register")
+        _check_region_args(access, name, "Agent.register")
         pinned = pin(obj, "Agent.register")
         if access is None:
-            access = Access.REMOTE_READ if pinned.readonly else Access.REMOTE_READ | Access.REMOTE_WRITE
+            access = Access.NONE  # nothing a peer can do unless asked for
         if pinned.readonly and access & Access.REMOTE_WRITE:
             pinned.release()
             raise InvalidArgument(f"Agent.register: {type(obj).__name__} is read-only but access asks for REMOTE_WRITE")
@@ -290,11 +335,23 @@ class Agent:
         return self._add_region(pinned, Access(access), name, "Agent.register")
 
     def allocate(self, nbytes: int, *, access: Access | None = None, name: str | None = None) -> Region:
-        """Allocate ``nbytes`` of zero-filled, page-aligned memory (memfd-backed) and register it."""
+        """Allocate ``nbytes`` of zero-filled, page-aligned memory (memfd-backed) and register it.
+
+        ``access`` defaults to REMOTE_READ|REMOTE_WRITE: allocated memory is made
+        for peers to reach (by its ``name`` or its descriptor), and holds nothing
+        of the program's until it is written.
+        """
         self.check_open("Agent.allocate")
+        what = f"Agent.allocate({nbytes!r})"
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise InvalidArgument(f"{what}: size must be an int, not {type(nbytes).__name__}")
         if nbytes < 0:
-            raise InvalidArgument(f"Agent.allocate({nbytes}): size must be >= 0")
-        pinned = allocate_memfd(nbytes, name)
+            raise InvalidArgument(f"{what}: size must be >= 0")
+        _check_region_args(access, name, what)
+        try:
+            pinned = allocate_memfd(nbytes, name)
+        except OSError as exc:
+            raise MemoryError(f"{what}: cannot allocate {nbytes} bytes: {exc.strerror or exc}") from exc
         lib.hx_prefault(ffi.cast("void *", pinned.address), nbytes, 1)
         if access is None:
             access = Access.REMOTE_READ | Access.REMOTE_WRITE
@@ -310,11 +367,14 @@ class Agent:
                 raise InvalidArgument(f"{what}: a region named {name!r} is already registered")
         region_id = self._next_region
         self._next_region += 1
-        rc = lib.hx_region_add(self.engine.native, region_id, pinned.address, pinned.nbytes, int(access))
+        # Ids count up and are easy to guess; the key is not. Every access a
+        # peer makes carries it, and the native registry checks it.
+        key = secrets.randbits(64)
+        rc = lib.hx_region_add(self.engine.native, region_id, pinned.address, pinned.nbytes, int(access), key)
         if rc < 0:
             pinned.release()
             check(rc, what)
-        region = Region(self, region_id, pinned, access, name)
+        region = Region(self, region_id, pinned, access, name, key)
         self._regions[region_id] = region
         for transport in self._transports.values():
             transport.region_added(region)
@@ -344,6 +404,7 @@ class Agent:
             access=region.access,
             kind=region.kind,
             name=region.name,
+            key=region.key,
             keys=keys,
         )
 
@@ -353,7 +414,7 @@ class Agent:
             self._named.pop(region.name, None)
         if self._closed:
             return
-        backend = self.engine.attach()
+        backend = self.engine.attach("Region.close")
         if self._listener is not None:
             await self._listener.withdraw(region.id)
         while region.ops_in_flight:
@@ -371,8 +432,16 @@ class Agent:
         self._regions.pop(region.id, None)
         region.pinned.release()
 
-    def _lookup(self, by_name: bool, name: str, region_id: int) -> bytes | None:
-        region = self._named.get(name) if by_name else self.live_region(region_id)
+    def _lookup(self, by_name: bool, name: str, region_id: int, key: int) -> bytes | None:
+        """A published region by name, or any region by id and key (from its descriptor): never by id alone."""
+        if by_name:
+            region = self._named.get(name)
+        else:
+            region = self.live_region(region_id)
+            if region is not None and not hmac.compare_digest(
+                region.key.to_bytes(8, "little"), key.to_bytes(8, "little")
+            ):
+                region = None
         return None if region is None else self.describe(region)
 
     def _published(self) -> list[bytes]:
@@ -417,7 +486,7 @@ class Agent:
         key = c.resolve_token(token if token is not None else self._token, what)
         host, port = c.parse_address(address, what)
         wanted = self.transports if transports is None else _transport_names(tuple(transports), what)
-        self.engine.attach()
+        self.engine.attach(what)
         self._open_transports()
         me = self._identity()
         links: list[tr.Link] = []
@@ -450,7 +519,7 @@ class Agent:
             raise ConnectTimeout(f"{what}: no answer within {timeout} s") from None
         except c.STREAM_ERRORS as exc:
             await _abandon(ch, links)
-            raise ConnectionLost(f"{what}: {exc or type(exc).__name__}") from None
+            raise _connect_error(exc, what) from None
         except BaseException:
             await _abandon(ch, links)
             raise
@@ -468,6 +537,45 @@ class Agent:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._regions)} regions, {len(self._peers)} peers"
         return f"<Agent {self.name!r} {state}>"
+
+
+# Agents not closed yet: closed (with a ResourceWarning) at interpreter exit,
+# before module teardown and the last garbage collection free things in no order.
+_OPEN: weakref.WeakSet[Agent] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_agents() -> None:
+    for agent in list(_OPEN):
+        agent._close_abandoned()
+
+
+def _connect_error(exc: BaseException, what: str) -> ConnectionLost:
+    """ConnectionLost for a failed connect, saying why in words and keeping the errno.
+
+    anyio says "All connection attempts failed" and keeps the real error as the cause.
+    """
+    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+    errno_ = getattr(cause, "errno", None)
+    if isinstance(cause, ConnectionRefusedError) or errno_ == errno.ECONNREFUSED:
+        err = ConnectionLost(f"{what}: connection refused (nothing listens there)")
+    elif isinstance(cause, OSError) and cause.strerror:
+        err = ConnectionLost(f"{what}: {cause.strerror}")
+    else:
+        err = ConnectionLost(f"{what}: {exc or type(exc).__name__}")
+    err.errno = errno_
+    return err
+
+
+def _check_region_args(access: Any, name: Any, what: str) -> None:
+    """``access`` and ``name`` of register()/allocate(), checked before anything is pinned."""
+    if access is not None:
+        if isinstance(access, bool) or not isinstance(access, int):
+            raise InvalidArgument(f"{what}: access must be Access flags, not {type(access).__name__}")
+        if int(access) & ~int(Access.REMOTE_READ | Access.REMOTE_WRITE) or int(access) < 0:
+            raise InvalidArgument(f"{what}: access={int(access):#x} has bits outside REMOTE_READ|REMOTE_WRITE")
+    if name is not None and not isinstance(name, str):
+        raise InvalidArgument(f"{what}: name must be a str, not {type(name).__name__}")
 
 
 def _transport_names(transports: str | tuple[str, ...], what: str) -> tuple[str, ...]:

@@ -1,20 +1,23 @@
 """Region descriptors: the bytes that let a peer address a region.
 
-Layout, version 1 (little endian)::
+Layout, version 2 (little endian)::
 
     magic    4s   b"HXRD"
-    version  B    1
+    version  B    2
     access   B    Access flags
     kind     B    0 user memory, 1 memfd
     flags    B    0
     region   I    region id in its agent
     nbytes   Q
     address  Q    virtual address in the owner (RDMA addresses by it)
+    key      Q    the region's secret: the owner refuses every access without it
     agent    16s  owner's identity
     name     H + utf-8
     keys     H + TLVs (type B, length H, value): transport keys
 
 Nothing here is ever unpickled; every length is checked against the input.
+A descriptor is a capability: whoever holds it can do to the region what its
+access allows, and nobody can without it (or the region's published name).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from .memory import Access
 __all__ = ["VERSION", "RegionInfo", "encode_info", "decode"]
 
 MAGIC = b"HXRD"
-VERSION = 1
-_HEAD = struct.Struct("<4sBBBBIQQ16s")
+VERSION = 2
+_HEAD = struct.Struct("<4sBBBBIQQQ16s")
 _LEN = struct.Struct("<H")
 _KEY = struct.Struct("<BH")
 _KINDS = {"cpu": 0, "memfd": 1}
@@ -48,6 +51,7 @@ class RegionInfo:
     access: Access
     kind: str
     name: str | None
+    key: int = 0  # the owner's per-region secret, carried by every access
     keys: dict[int, bytes] = field(default_factory=dict)
 
 
@@ -67,6 +71,7 @@ def encode_info(info: RegionInfo) -> bytes:
                 info.region_id,
                 info.nbytes,
                 info.address,
+                info.key,
                 info.agent_id,
             ),
             _LEN.pack(len(name)),
@@ -82,7 +87,7 @@ def decode(data: bytes) -> RegionInfo:
     data = bytes(data)
     if len(data) < _HEAD.size + 2 * _LEN.size:
         raise InvalidDescriptor(f"descriptor too short ({len(data)} bytes)")
-    magic, version, access, kind, flags, region_id, nbytes, address, agent_id = _HEAD.unpack_from(data)
+    magic, version, access, kind, flags, region_id, nbytes, address, key, agent_id = _HEAD.unpack_from(data)
     if magic != MAGIC:
         raise InvalidDescriptor("not an aiohixl region descriptor (bad magic)")
     if version != VERSION:
@@ -128,5 +133,6 @@ def decode(data: bytes) -> RegionInfo:
         access=Access(access),
         kind=_KIND_NAMES[kind],
         name=name,
+        key=key,
         keys=keys,
     )

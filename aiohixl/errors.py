@@ -27,6 +27,7 @@ __all__ = [
     "TransferError",
     "TransferTimeout",
     "NotificationTimeout",
+    "WrongEventLoop",
 ]
 
 
@@ -67,7 +68,13 @@ class RegionUnavailable(HixlError):
 
 
 class ConnectionLost(HixlError):
-    """The peer went away; ops outstanding on it failed."""
+    """The peer went away; ops outstanding on it failed.
+
+    ``errno`` is the system's error number when one said why (e.g. ECONNREFUSED
+    from Agent.connect()), else None.
+    """
+
+    errno: int | None = None
 
 
 class ConnectTimeout(HixlError, TimeoutError):
@@ -92,3 +99,5 @@ class TransferTimeout(TransferError, TimeoutError):
 
 class NotificationTimeout(HixlError, TimeoutError):
     """Agent.notification(timeout=...) saw no (matching) notification in time."""
+class WrongEventLoop(HixlError, RuntimeError):
+    """The agent was used from an event loop or thread other than the one that started it."""

@@ -53,9 +53,12 @@ class RegionOwner(Protocol):
 class Region:
     """Memory registered with an agent. Slice it (``region[a:b]``) to name part of it."""
 
-    def __init__(self, agent: RegionOwner, region_id: int, pinned: Pinned, access: Access, name: str | None) -> None:
+    def __init__(
+        self, agent: RegionOwner, region_id: int, pinned: Pinned, access: Access, name: str | None, key: int = 0
+    ) -> None:
         self.agent = agent
         self.id = region_id
+        self.key = key  # the secret in its descriptor: peers reach it only with it
         self.name = name
         self.access = access
         self.pinned = pinned

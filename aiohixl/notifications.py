@@ -128,12 +128,13 @@ class Inbox:
             raise ClosedError(f"{what}: agent is closed")
         if match is not None:
             match = note_bytes(match, what)
+        self.engine.attach(what)  # the loop that started the agent, or WrongEventLoop
         self.pull()
         note = self._take(match)
         if note is not None:
             self.pull()
             return note
-        backend = self.engine.attach()
+        backend = self.engine.attach(what)
         entry: list[Any] = [backend.new_waiter(), match, None]
         self._waiters.append(entry)
         try:

@@ -86,9 +86,10 @@ class Peer:
         self._withdrawn: set[int] = set()
         self._lookups: dict[int, list[Any]] = {}
         self._next_lookup = 1
-        # region id -> (link, path name), decided once per region
-        self._routes: dict[int, tuple[Link, str]] = {}
-        self._resolving: dict[int, anyio.Event] = {}
+        # (region id, key) -> (link, path name), decided once per region: a
+        # descriptor with another key is another (unknown) region, asked anew
+        self._routes: dict[tuple[int, int], tuple[Link, str]] = {}
+        self._resolving: dict[tuple[int, int], anyio.Event] = {}
         # one link that reaches every region as it is: no routing per op
         self._one_route = links[0] if len(links) == 1 and links[0].reaches_all else None
         self._ops = 0  # ops posted and not yet completed (counted by the engine)
@@ -144,7 +145,10 @@ class Peer:
         rid = r.u32()
         r.end()
         self._withdrawn.add(rid)
-        route = self._routes.pop(rid, None)
+        routed = [k for k in self._routes if k[0] == rid]
+        route = self._routes.pop(routed[0]) if routed else None
+        for k in routed[1:]:
+            self._routes.pop(k)
         self.agent.engine.attach().spawn(lambda: self._release_route(rid, route), "aiohixl-withdraw")
 
     async def _release_route(self, rid: int, route: tuple[Link, str] | None) -> None:
@@ -177,7 +181,7 @@ class Peer:
         self._check_open("Peer.region")
         if self._session is None:
             return self.agent.published_remote(name, "Peer.region")
-        remote = await self._ask(w.BY_NAME, name, 0, f"Peer.region({name!r})")
+        remote = await self._ask(w.BY_NAME, name, 0, 0, f"Peer.region({name!r})")
         if remote is None:
             raise RegionUnavailable(f"Peer.region({name!r}): {self.label} publishes no region of that name")
         self._withdrawn.discard(remote.id)
@@ -188,9 +192,12 @@ class Peer:
                 pass  # said by the first op on it, which is where it matters
         return remote
 
-    async def region_info(self, region_id: int, what: str) -> RegionInfo | None:
-        """The peer's own word on one of its regions (for links setting up a path)."""
-        remote = await self._ask(w.BY_ID, "", region_id, what)
+    async def region_info(self, info: RegionInfo, what: str) -> RegionInfo | None:
+        """The peer's own word on one of its regions (for links setting up a path).
+
+        Asked by id and key: the peer answers only a caller that holds the region's descriptor.
+        """
+        remote = await self._ask(w.BY_ID, "", info.region_id, info.key, what)
         return None if remote is None else remote.info
 
     async def send(self, frame: bytes) -> None:
@@ -198,7 +205,7 @@ class Peer:
             raise ClosedError(f"{self.label} has no control session")
         await self._session.send(frame)
 
-    async def _ask(self, by: int, name: str, region_id: int, what: str) -> RemoteRegion | None:
+    async def _ask(self, by: int, name: str, region_id: int, key: int, what: str) -> RemoteRegion | None:
         """Ask the peer about one of its regions (by name or id); None if it has none."""
         assert self._session is not None
         req = self._next_lookup
@@ -206,7 +213,7 @@ class Peer:
         slot: list[Any] = [anyio.Event(), None]
         self._lookups[req] = slot
         try:
-            await self._session.send(w.Writer().u32(req).u8(by).str(name).u32(region_id).frame(w.LOOKUP))
+            await self._session.send(w.Writer().u32(req).u8(by).str(name).u32(region_id).u64(key).frame(w.LOOKUP))
             await slot[0].wait()
         finally:
             self._lookups.pop(req, None)
@@ -240,26 +247,27 @@ class Peer:
     async def _route(self, info: RegionInfo, what: str) -> tuple[Link, str]:
         """The link for a region, decided once; concurrent callers share the work."""
         rid = info.region_id
-        route = self._routes.get(rid)
+        rkey = (rid, info.key)
+        route = self._routes.get(rkey)
         if route is not None:
             return route
-        pending = self._resolving.get(rid)
+        pending = self._resolving.get(rkey)
         if pending is not None:
             await pending.wait()
-            return self._routes.get(rid) or await self._route(info, what)
-        self._resolving[rid] = done = anyio.Event()
+            return self._routes.get(rkey) or await self._route(info, what)
+        self._resolving[rkey] = done = anyio.Event()
         try:
             control = self if self._session is not None else None
             for link in self.links:
                 path = await link.reach(info, control, what)
                 if path is not None:
-                    route = self._routes[rid] = (link, path)
+                    route = self._routes[rkey] = (link, path)
                     return route
             raise RegionUnavailable(
                 f"{what}: no path to region {rid} of {self.label} (tried {', '.join(link.name for link in self.links)})"
             )
         finally:
-            del self._resolving[rid]
+            del self._resolving[rkey]
             done.set()
 
     # ---- ops ----
@@ -333,11 +341,10 @@ class Peer:
             notify = note_bytes(notify, what)
         self._check_open(what)
         engine = self.agent.engine
+        engine.attach(what)  # the agent's own loop only: nothing may be posted from another
         if engine.full:
-            await engine.admit()
+            await engine.admit(what)
             self._check_open(what)
-        elif engine.backend is None:
-            engine.attach()
         checked = self._checked(opcode, pairs, what)
         if not checked:
             if notify is not None:  # nothing to wait for: the message alone
@@ -412,7 +419,10 @@ class Peer:
             if rr.id in self._withdrawn:
                 raise RegionUnavailable(f"{what}: {self.label} withdrew remote region {rr.label()}")
             if not rr.rights & need:
-                raise AccessDenied(f"{what}: remote region {rr.label()} was registered without {Access(need).name}")
+                raise AccessDenied(
+                    f"{what}: remote region {rr.label()} was registered without {Access(need).name}"
+                    " (register() gives peers no access unless access= says so)"
+                )
             if not put and region.readonly:
                 raise AccessDenied(f"{what}: local region {region.label()} is read-only")
             if rs.nbytes:
@@ -424,7 +434,7 @@ class Peer:
         groups: dict[tuple[Link, str], list[Pair]] = {}
         for pair in checked:
             rr = pair[0].region
-            route = self._routes.get(rr.id) or await self._route(rr.info, what)
+            route = self._routes.get((rr.id, rr.key)) or await self._route(rr.info, what)
             if rr.id in self._withdrawn:  # withdrawn while the path was set up
                 raise RegionUnavailable(f"{what}: {self.label} withdrew remote region {rr.label()}")
             groups.setdefault(route, []).append(pair)

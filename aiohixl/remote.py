@@ -11,7 +11,7 @@ __all__ = ["RemoteRegion", "RemoteSlice"]
 class RemoteRegion:
     """A region of a peer's agent, as its descriptor describes it. Slice it like a Region."""
 
-    __slots__ = ("info", "id", "agent_id", "rights")
+    __slots__ = ("info", "id", "agent_id", "rights", "key")
 
     def __init__(self, info: RegionInfo) -> None:
         self.info = info
@@ -19,6 +19,7 @@ class RemoteRegion:
         self.id = info.region_id
         self.agent_id = info.agent_id
         self.rights = int(info.access)
+        self.key = info.key
 
     @property
     def name(self) -> str | None:

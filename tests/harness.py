@@ -80,8 +80,10 @@ class Target:
         assert reply.get("ok"), reply
         return reply
 
-    async def alloc(self, name: str, size: int, *, access: int = 3, seed: int | None = None, kind: str = "alloc"):
-        return await self.cmd(op=kind, name=name, size=size, access=access, seed=seed)
+    async def alloc(
+        self, name: str, size: int, *, access: int = 3, seed: int | None = None, kind: str = "alloc", publish=True
+    ):
+        return await self.cmd(op=kind, name=name, size=size, access=access, seed=seed, publish=publish)
 
     async def hash(self, name: str, offset: int, length: int) -> str:
         return (await self.cmd(op="hash", name=name, offset=offset, len=length))["sha256"]

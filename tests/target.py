@@ -3,7 +3,7 @@
     python -m tests.target --token T [--listen HOST:PORT] [--transports tcp]
 
 It prints {"address": ...} once listening, then answers one line per command:
-alloc (name, size, access, seed), register (same, over a numpy array), hash
+alloc (name, size, access, seed, publish), register (same, over a numpy array), hash
 (name, offset, len), close (name), exit. The test process checks the target's
 memory through these answers, never through the library under test.
 """
@@ -57,12 +57,14 @@ async def main() -> None:
             out: dict = {"ok": True}
             if op in ("alloc", "register"):
                 access = Access(cmd.get("access", 3))
+                # publish=false: no name, reachable by its descriptor only
+                name = cmd["name"] if cmd.get("publish", True) else None
                 if op == "alloc":
-                    region = agent.allocate(cmd["size"], name=cmd["name"], access=access)
+                    region = agent.allocate(cmd["size"], name=name, access=access)
                     view = np.frombuffer(region.memory, dtype=np.uint8)
                 else:
                     view = np.zeros(cmd["size"], dtype=np.uint8)
-                    region = agent.register(view, name=cmd["name"], access=access)
+                    region = agent.register(view, name=name, access=access)
                 if cmd.get("seed") is not None:
                     # Off the loop: a busy machine takes seconds for 256 MiB, longer than a heartbeat.
                     view[:] = await asyncio.to_thread(pattern, cmd["size"], cmd["seed"])

@@ -201,6 +201,59 @@ async def test_refused_ops_leave_memory_untouched(path):
 
 
 @pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("forged_first", [False, True])
+async def test_a_refused_submission_places_no_byte(path, forged_first):
+    """One forged pair out of bounds: the owner refuses the whole put_many/get_many, valid pairs included."""
+    if path.name == "verbs":
+        pytest.skip("RDMA writes are checked by the NIC one by one: earlier ones of a chain land")
+    name = f"sub{int(forged_first)}"
+    small = await path.region(name, 4096, seed=8)
+    before_small, before_kv = await path.hash(name, 0, 4096), await path.hash("kv", 0, 3 << 20)
+    longer = RemoteRegion(dataclasses.replace(small.info, nbytes=1 << 20))
+    valid = [(path.kv[0 : 1 << 20], path.src[0 : 1 << 20]), (path.kv[2 << 20 : 3 << 20], path.src[0 : 1 << 20])]
+    forged = (longer[8192:16384], path.src[0:8192])
+    pairs = [forged, *valid] if forged_first else [*valid, forged]
+    with pytest.raises(aiohixl.OutOfBounds):
+        await path.peer.put_many(pairs)
+    assert await path.hash(name, 0, 4096) == before_small
+    assert await path.hash("kv", 0, 3 << 20) == before_kv
+    path.dst_arr[: 2 << 20] = 0xEE
+    gets = [(path.dst[0 : 1 << 20], path.ksrc[0 : 1 << 20]), (path.dst[1 << 20 : (1 << 20) + 8192], longer[8192:16384])]
+    with pytest.raises(aiohixl.OutOfBounds):
+        await path.peer.get_many(gets)
+    assert not (path.dst_arr[: 2 << 20] != 0xEE).any()  # no piece of the refused get landed
+    await path.peer.put(path.kv[0:4096], path.src[0:4096])  # the path still works
+    assert await path.hash("kv", 0, 4096) == sha(path.src_arr[:4096])
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_unnamed_regions_are_reachable_only_by_their_descriptor(path):
+    """Ids count from 1: a peer that guesses one without the region's key reaches nothing."""
+    size = 64 << 10
+    if path.target is None:
+        region = path.agent.allocate(size)  # no name: not published
+        path.arrays["hidden"] = np.frombuffer(region.memory, dtype=np.uint8)
+        desc = region.descriptor()
+    else:
+        kind = PATHS[path.name][1]
+        desc = bytes.fromhex((await path.target.alloc("hidden", size, kind=kind, publish=False))["descriptor"])
+    before = await path.hash("hidden", 0, size)
+    real = path.peer.remote_region(desc)
+    assert real.key != 0
+    if path.name != "verbs":  # verbs: the NIC checks the rkey, which the descriptor carries as well
+        for guess in range(1, real.id + 3):  # every id there is, with a guessed key
+            forged = RemoteRegion(dataclasses.replace(real.info, region_id=guess, key=real.key ^ 1))
+            with pytest.raises((aiohixl.RegionUnavailable, aiohixl.AccessDenied)):
+                await path.peer.put(forged[:16], path.src[:16])
+            with pytest.raises((aiohixl.RegionUnavailable, aiohixl.AccessDenied)):
+                await path.peer.get(path.dst[:16], forged[:16])
+        assert await path.hash("hidden", 0, size) == before
+    # with its descriptor, the same region is reachable
+    await path.peer.put(real, path.src[:size])
+    assert await path.hash("hidden", 0, size) == sha(path.src_arr[:size])
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_cancelled_op_still_lands_and_its_memory_stays_alive(path):
     n = SPACE
     src_arr = pattern(n, 11)

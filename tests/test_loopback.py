@@ -3,7 +3,11 @@ refusals, concurrency, cancellation and closing."""
 
 import asyncio
 import dataclasses
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +24,9 @@ MARK = 0xEE
 
 async def test_refusals_leave_memory_untouched(agent):
     target = agent.register(bytearray(b"T" * 4096), name="t", access=Access.REMOTE_READ)
-    writable = agent.register(bytearray(b"W" * 4096), name="w")
+    writable = agent.register(
+        bytearray(b"W" * 4096), name="w", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE
+    )
     src = agent.register(bytearray(b"S" * 8192))
     peer = agent.loopback()
     t = await peer.region("t")
@@ -65,7 +71,9 @@ async def test_wrong_argument_types(agent):
 
 async def test_zero_length_is_a_no_op(agent):
     src = agent.register(bytearray(b"s" * 10))
-    dst = agent.register(bytearray(b"d" * 10), name="x")
+    dst = agent.register(
+        bytearray(b"d" * 10), name="x", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE
+    )
     peer = agent.loopback()
     x = await peer.region("x")
     before = agent.engine.completed
@@ -79,14 +87,133 @@ async def test_zero_length_is_a_no_op(agent):
         x[11:11]  # an empty slice past the end is still out of bounds
 
 
+@pytest.mark.parametrize("shift", [1, 4096, -1, -(1 << 20) - 7, (3 << 20) - 1])
+async def test_overlapping_put_and_get_behave_like_memmove(agent, shift):
+    """Source and destination overlap in one region: the pool's pieces must not read bytes already written."""
+    size = 3 << 20  # several copy-pool pieces
+    base = 4 << 20
+    arr = random_bytes(12 << 20, seed=abs(shift))
+    region = agent.register(arr, name="buf", access=Access.REMOTE_READ | Access.REMOTE_WRITE)
+    peer = agent.loopback()
+    remote = await peer.region("buf")
+    expect = arr.copy()
+    expect[base + shift : base + shift + size] = expect[base : base + size].copy()
+    await peer.put(remote[base + shift : base + shift + size], region[base : base + size])
+    assert np.array_equal(arr, expect)
+    expect[base : base + size] = expect[base + shift : base + shift + size].copy()
+    await peer.get(region[base : base + size], remote[base + shift : base + shift + size])
+    assert np.array_equal(arr, expect)
+
+
+async def test_overlapping_pairs_of_one_submission_are_refused(agent):
+    arr = random_bytes(4 << 20, seed=3)
+    region = agent.register(arr, name="buf", access=Access.REMOTE_READ | Access.REMOTE_WRITE)
+    before = arr.copy()
+    peer = agent.loopback()
+    remote = await peer.region("buf")
+    # the second pair writes where the first reads: no order makes that well defined
+    pairs = [(remote[0 : 2 << 20], region[1 << 20 : 3 << 20]), (remote[2 << 20 : 4 << 20], region[0 : 2 << 20])]
+    with pytest.raises(aiohixl.InvalidArgument, match="overlapping"):
+        await peer.put_many(pairs)
+    assert np.array_equal(arr, before)
+    # disjoint pairs in one region are fine
+    await peer.put_many([(remote[0:1024], region[4096:5120]), (remote[8192:9216], region[1024:2048])])
+    assert bytes(arr[0:1024]) == bytes(before[4096:5120]) and bytes(arr[8192:9216]) == bytes(before[1024:2048])
+
+
+async def test_use_from_another_loop_or_thread_is_refused_at_the_call(agent):
+    """The agent belongs to the loop that started it: small and large ops alike are refused, none stays outstanding."""
+    src = agent.register(random_bytes(8 << 20))
+    dst = agent.register(bytearray(8 << 20), name="x", access=Access.REMOTE_WRITE)
+    peer = agent.loopback()
+    x = await peer.region("x")
+    await peer.put(x[0:16], src[0:16])  # the agent is bound to this loop now
+
+    def elsewhere(size: int) -> BaseException | None:
+        async def op() -> None:
+            await peer.put(x[0:size], src[0:size])
+
+        try:
+            asyncio.run(op())
+        except BaseException as exc:
+            return exc
+        return None
+
+    for size in (16, 8 << 20):
+        exc = await asyncio.to_thread(elsewhere, size)
+        assert isinstance(exc, aiohixl.WrongEventLoop), exc
+        assert isinstance(exc, RuntimeError) and "Peer.put" in str(exc) and "event loop" in str(exc)
+        assert agent.outstanding == 0
+    assert bytes(dst.memory[16:32]) == bytes(16)  # nothing was written from the other loop
+    await peer.put(x, src)  # and the agent still works on its own loop
+    assert bytes(dst.memory) == bytes(src.memory)
+
+
+EXIT_WITH_AGENTS_OPEN = """
+import asyncio, gc, sys
+import numpy as np
+import aiohixl
+from aiohixl import Access
+
+async def main():
+    target = aiohixl.Agent("t", listen="127.0.0.1:0", token="x")
+    await target.start()
+    target.allocate(1 << 20, name="kv")
+    target.register(np.zeros(1 << 20, dtype=np.uint8), name="arr", access=Access.REMOTE_READ)
+    me = aiohixl.Agent("me", token="x")
+    await me.start()
+    src = me.register(bytearray(64 << 20), name="src", access=Access.REMOTE_READ | Access.REMOTE_WRITE)
+    for transports in (("shm",), ("tcp",)):
+        peer = await me.connect(target.address, transports=transports)
+        await peer.put(await peer.region("kv"), src[0 : 1 << 20])
+    lb = me.loopback()
+    remote = await lb.region("src")
+    asyncio.ensure_future(lb.put(remote[0 : 32 << 20], src[32 << 20 :]))  # in flight at exit
+    dropped = aiohixl.Agent("dropped")
+    dropped.register(bytearray(4096))
+    del dropped
+    gc.collect()  # collected while the loop runs: warned and freed, no crash
+    await asyncio.sleep(0)
+    if sys.argv[1] == "raise":
+        raise RuntimeError("escaped main() before aclose()")
+    raise SystemExit(0)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_agents_left_open_at_exit_warn_and_do_not_crash(tmp_path, how):
+    """A program that ends with agents open (peers, regions, an op in flight) exits cleanly, with ResourceWarnings."""
+    script = tmp_path / "leave_open.py"
+    script.write_text(EXIT_WITH_AGENTS_OPEN)
+    proc = subprocess.run(
+        [sys.executable, "-W", "always", str(script), how],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=str(tmp_path),
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert proc.returncode == (0 if how == "exit" else 1), proc.stderr[-3000:]
+    assert proc.stderr.count("ResourceWarning: unclosed <Agent") == 3, proc.stderr[-3000:]
+    assert "'dropped'" in proc.stderr and "'me'" in proc.stderr and "'t'" in proc.stderr
+    if how == "raise":
+        assert "escaped main() before aclose()" in proc.stderr
+
+
 async def test_ten_thousand_concurrent_ops(agent):
     n, size = 10_000, 512
     src_arr = random_bytes(n * size, seed=7)
     src = agent.register(src_arr)
     dst_arr = np.zeros(n * size, dtype=np.uint8)
-    agent.register(dst_arr, name="dst")
+    agent.register(dst_arr, name="dst", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
     big_src = agent.register(random_bytes(1 << 20, seed=8))
-    agent.register(np.zeros(100 << 20, dtype=np.uint8), name="bigdst")
+    agent.register(
+        np.zeros(100 << 20, dtype=np.uint8),
+        name="bigdst",
+        access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE,
+    )
     peer = agent.loopback()
     dst = await peer.region("dst")
     bigdst = await peer.region("bigdst")
@@ -106,7 +233,7 @@ async def test_max_inflight_waits_for_room():
     async with aiohixl.Agent(max_inflight=4) as agent:
         src = agent.register(random_bytes(8 << 20, seed=3))
         dst_arr = np.zeros(32 * (8 << 20), dtype=np.uint8)
-        agent.register(dst_arr, name="d")
+        agent.register(dst_arr, name="d", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
         peer = agent.loopback()
         d = await peer.region("d")
         await asyncio.gather(*(peer.put(d[i * (8 << 20) : (i + 1) * (8 << 20)], src) for i in range(32)))
@@ -117,7 +244,7 @@ async def test_timeout_raises_and_op_still_completes(agent):
     n = 256 << 20
     src = agent.register(np.ones(n, dtype=np.uint8))
     dst_arr = np.zeros(n, dtype=np.uint8)
-    agent.register(dst_arr, name="d")
+    agent.register(dst_arr, name="d", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
     peer = agent.loopback()
     d = await peer.region("d")
     with pytest.raises(aiohixl.TransferTimeout, match="Peer.put.*may still complete"):
@@ -133,7 +260,7 @@ async def test_close_agent_with_ops_in_flight():
     piece, pieces, ops = 2 << 20, 32, 16
     src = agent.register(random_bytes(piece, seed=2))
     dst_arr = np.zeros(ops * pieces * piece, dtype=np.uint8)
-    agent.register(dst_arr, name="d")
+    agent.register(dst_arr, name="d", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
     peer = agent.loopback()
     d = await peer.region("d")
     step = pieces * piece

@@ -25,7 +25,7 @@ from aiohixl.descriptor import decode
 )
 async def test_register_buffer_kinds_roundtrip(agent, make):
     obj = make()
-    region = agent.register(obj, name="r")
+    region = agent.register(obj, name="r", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
     assert region.nbytes == memoryview(obj).nbytes
     src = agent.register(bytearray(range(256)) * (region.nbytes // 256))
     peer = agent.loopback()
@@ -36,7 +36,7 @@ async def test_register_buffer_kinds_roundtrip(agent, make):
 async def test_register_torch_cpu_tensor(agent):
     torch = pytest.importorskip("torch")
     t = torch.zeros(1024, dtype=torch.float32)
-    region = agent.register(t, name="t")
+    region = agent.register(t, name="t", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
     src = agent.register(np.full(1024, 2.5, dtype=np.float32))
     peer = agent.loopback()
     await peer.put(await peer.region("t"), src)
@@ -44,6 +44,30 @@ async def test_register_torch_cpu_tensor(agent):
     with pytest.raises(aiohixl.UnsupportedMemory, match="contiguous"):
         agent.register(torch.zeros(8, 8).t())
     await region.close()
+
+
+async def test_registered_tensor_storage_cannot_be_pulled_away(agent):
+    """resize_() would free the registered memory, set_() swap it: neither may leave the region dangling."""
+    torch = pytest.importorskip("torch")
+    rw = Access.REMOTE_READ | Access.REMOTE_WRITE
+    grown = torch.zeros(1 << 18, dtype=torch.float32)  # 1 MiB: its own mapping, unmapped when freed
+    swapped = torch.zeros(1 << 18, dtype=torch.float32)
+    r_grown = agent.register(grown, name="grown", access=rw)
+    r_swapped = agent.register(swapped, name="swapped", access=rw)
+    view = grown[10:20]
+    with pytest.raises(RuntimeError, match="not resizable"):
+        grown.resize_(1 << 24)  # (torch leaves grown's shape wrong after this error: only view is used below)
+    swapped.set_(torch.ones(16))  # the tensor moves away; the region keeps the memory it registered
+    src = agent.register(np.full(1 << 18, 7.0, dtype=np.float32))
+    peer = agent.loopback()
+    await peer.put(await peer.region("grown"), src)
+    await peer.put(await peer.region("swapped"), src)
+    for region in (r_grown, r_swapped):
+        assert np.array_equal(np.frombuffer(region.memory, dtype=np.float32), np.full(1 << 18, 7.0, np.float32))
+    await r_grown.close()
+    await r_swapped.close()
+    del grown
+    assert bool((view == 7.0).all())  # a view keeps the memory alive after the region and the tensor are gone
 
 
 async def test_non_contiguous_is_refused(agent):
@@ -56,13 +80,17 @@ async def test_non_contiguous_is_refused(agent):
 async def test_read_only_buffer(agent):
     with pytest.raises(aiohixl.InvalidArgument, match="REMOTE_WRITE"):
         agent.register(b"abcd", access=Access.REMOTE_WRITE)
-    ro = agent.register(b"abcd" * 1024)
+    ro = agent.register(b"abcd" * 1024, access=Access.REMOTE_READ)
     assert ro.access == Access.REMOTE_READ and ro.readonly
-    dst = agent.register(bytearray(4096), name="dst")
+    # register() exposes nothing unless asked; allocate() is memory made for peers
+    assert agent.register(bytearray(8)).access == Access.NONE
+    assert agent.register(b"x").access == Access.NONE
+    assert agent.allocate(8).access == Access.REMOTE_READ | Access.REMOTE_WRITE
+    dst = agent.register(bytearray(4096), name="dst", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
     peer = agent.loopback()
     await peer.put(await peer.region("dst"), ro)  # reading a read-only local buffer is fine
     assert bytes(dst.memory) == b"abcd" * 1024
-    agent.register(bytearray(4096), name="src")
+    agent.register(bytearray(4096), name="src", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
     with pytest.raises(aiohixl.AccessDenied, match="Peer.get.*read-only"):
         await peer.get(ro, await peer.region("src"))
 
@@ -95,6 +123,44 @@ async def test_duplicate_name_refused(agent):
     agent.allocate(10, name="kv")
     with pytest.raises(aiohixl.InvalidArgument, match="already registered"):
         agent.allocate(10, name="kv")
+
+
+@pytest.mark.parametrize(
+    "call, error, text",
+    [
+        (lambda a: a.allocate(64, access=4), aiohixl.InvalidArgument, "bits outside"),
+        (lambda a: a.register(bytearray(8), access=8), aiohixl.InvalidArgument, "bits outside"),
+        (lambda a: a.allocate(64, access="rw"), aiohixl.InvalidArgument, "access must be"),
+        (lambda a: a.allocate(64, name=123), aiohixl.InvalidArgument, "name must be a str"),
+        (lambda a: a.register(bytearray(8), name=b"kv"), aiohixl.InvalidArgument, "name must be a str"),
+        (lambda a: a.allocate(2**62), MemoryError, r"Agent.allocate\(4611686018427387904\): cannot allocate"),
+        (lambda a: a.allocate(1.5), aiohixl.InvalidArgument, "size must be an int"),
+    ],
+    ids=["allocate-access-4", "register-access-8", "access-str", "name-int", "name-bytes", "huge", "float"],
+)
+async def test_bad_arguments_are_refused_clearly(agent, call, error, text):
+    with pytest.raises(error, match=text):
+        call(agent)
+    assert not agent.live_regions()  # nothing half-registered
+
+
+async def test_empty_multidimensional_buffer_registers(agent):
+    region = agent.register(np.zeros((0, 5)))
+    assert region.nbytes == 0 and len(region.memory) == 0
+    region = agent.register(np.zeros((0, 5)), access=Access.NONE)
+    await region.close()
+
+
+async def test_refused_connection_says_so_and_keeps_errno(agent):
+    import errno
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(aiohixl.ConnectionLost, match="connection refused") as info:
+        await agent.connect(f"127.0.0.1:{port}", token="t")
+    assert info.value.errno == errno.ECONNREFUSED
 
 
 async def test_closing_region_releases_buffer(agent):
@@ -144,7 +210,15 @@ def test_mutated_descriptors_are_refused_or_decoded_consistently(data):
     desc = bytearray(
         encode_info(
             RegionInfo(
-                bytes(range(16)), 7, 4096, 0x7F0000001000, Access.REMOTE_WRITE, "memfd", "kv", {1: b"\x01\x02\x03\x04"}
+                bytes(range(16)),
+                7,
+                4096,
+                0x7F0000001000,
+                Access.REMOTE_WRITE,
+                "memfd",
+                "kv",
+                key=0x0123456789ABCDEF,
+                keys={1: b"\x01\x02\x03\x04"},
             )
         )
     )

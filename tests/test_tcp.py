@@ -3,8 +3,10 @@ failure of the peer, authentication, and hostile input to the listener."""
 
 import asyncio
 import os
+import resource
 import signal
 import socket
+import struct
 import time
 
 import anyio
@@ -58,7 +60,7 @@ async def test_both_directions_at_once(pair):
     size, count = 1 << 20, 64
     async with aiohixl.Agent("back", listen="127.0.0.1:0", token=TOKEN, transports=TCP) as me:
         inbox_arr = np.zeros(size * count, dtype=np.uint8)
-        me.register(inbox_arr, name="inbox")
+        me.register(inbox_arr, name="inbox", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
         pump = asyncio.create_task(
             pair["target"].cmd(
                 op="pump", address=me.address, name="inbox", size=size, count=count, seed=99, transports=["tcp"]
@@ -113,7 +115,7 @@ async def test_client_refuses_listener_without_the_token():
     async def fake(stream):
         ch = c.Channel(stream)
         await ch.expect(w.HELLO, w.MAX_UNAUTH_FRAME)
-        await ch.send(w.Writer().u16(1).raw(os.urandom(32)).raw(os.urandom(32)).frame(w.CHALLENGE))
+        await ch.send(w.Writer().u16(w.VERSION_MAX).raw(os.urandom(32)).raw(os.urandom(32)).frame(w.CHALLENGE))
         await anyio.sleep(1)
 
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
@@ -159,7 +161,7 @@ async def _still_serving(victim) -> None:
     assert await victim.hash("kv", 0, 8) == sha(np.frombuffer(victim.probe.memory, dtype=np.uint8))
 
 
-hello = w.Writer().raw(w.MAGIC).u16(1).u16(1).u8(0).raw(bytes(32)).frame(w.HELLO)
+hello = w.Writer().raw(w.MAGIC).u16(w.VERSION_MIN).u16(w.VERSION_MAX).u8(0).raw(bytes(32)).frame(w.HELLO)
 frames = st.one_of(
     st.binary(max_size=300),
     st.builds(lambda t, b: w.Writer().raw(b).frame(t), st.integers(0, 255), st.binary(max_size=200)),
@@ -276,3 +278,110 @@ async def test_a_put_stalled_mid_payload_cannot_hold_a_region_forever():
             await ch.aclose()
     finally:
         await target.aclose()
+
+
+async def test_peer_that_never_reads_its_answers_is_cut_off_and_close_returns():
+    """A token holder sends gets, never reads the answers, keeps heart-beating: close() waits stall_timeout at most."""
+    stall = 1.0
+    async with aiohixl.Agent(
+        "t", listen="127.0.0.1:0", token=TOKEN, transports=TCP, stall_timeout=stall, heartbeat_timeout=600
+    ) as target:
+        region = target.allocate(8 << 20, name="kv")
+        info = region.agent._info(region)
+        port = int(target.address.rpartition(":")[2])
+        # Another host: the target waits for no withdrawal acknowledgement, only the data path can hold it.
+        me = c.Identity(os.urandom(16), "hoarder", c.HostIdentity("elsewhere/1", "boot-1", "ns"), ["tcp"])
+        ctl = c.Channel(await anyio.connect_tcp("127.0.0.1", port))
+        served = await c.client_handshake(ctl, TOKEN.encode(), w.ROLE_CONTROL, bytes(16), me, "hoarder")
+        handlers = {w.WITHDRAWN: lambda r: None}
+        session = c.Session(ctl, 0.2, handlers, lambda reason: None, "hoarder", lambda: None)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(session.run)
+            data = c.Channel(await anyio.connect_tcp("127.0.0.1", port))
+            await c.client_handshake(data, TOKEN.encode(), w.ROLE_DATA, served.session, me, "hoarder")
+            sock = data.stream.extra(anyio.abc.SocketAttribute.raw_socket)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            magic = int.from_bytes(b"HXDP", "little")
+            gets = b"".join(
+                struct.pack("<IB3xI4xQQQQ", magic, 2, info.region_id, 0, 1 << 20, i + 1, info.key) for i in range(64)
+            )
+            await data.stream.send(gets)  # 64 MiB of answers, never read
+            await anyio.sleep(0.5)
+            start = time.monotonic()
+            with anyio.fail_after(120):  # forever, before: the answers held the region
+                await region.close()
+            elapsed = time.monotonic() - start
+            assert elapsed < 30, elapsed
+            tg.cancel_scope.cancel()
+        await data.aclose()
+        # The hoarder is cut off (its channel, then its session); a well-behaved peer is served.
+        target.allocate(4096, name="next")
+        async with aiohixl.Agent("next", token=TOKEN, transports=TCP) as agent:
+            peer = await agent.connect(target.address)
+            await peer.put(await peer.region("next"), agent.register(bytearray(b"n" * 4096)))
+
+
+async def test_listener_survives_fd_exhaustion_with_its_live_connections():
+    """Out of fds, accept() fails (EMFILE): the listener backs off and goes on; live connections are untouched."""
+    target = await Target.start()
+    try:
+        await target.alloc("kv", 1 << 20)
+        async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
+            peer = await agent.connect(target.address)
+            kv = await peer.region("kv")
+            src = agent.register(pattern(1 << 20, 3))
+            pid = target.proc.pid
+            used = len(os.listdir(f"/proc/{pid}/fd"))
+            # What `prlimit --pid PID --nofile=N:N` does: a few fds to spare, then none.
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (used + 6, used + 6))
+            hogs = [socket.create_connection(("127.0.0.1", target.port)) for _ in range(24)]
+            try:
+                for _ in range(100):  # until the target holds every fd it may
+                    if len(os.listdir(f"/proc/{pid}/fd")) >= used + 6:
+                        break
+                    await anyio.sleep(0.1)
+                assert len(os.listdir(f"/proc/{pid}/fd")) >= used + 6
+                await anyio.sleep(1.0)  # accept() has failed with EMFILE meanwhile
+                await peer.put(kv, src)  # the live connection was not collateral
+                assert await target.hash("kv", 0, 1 << 20) == sha(pattern(1 << 20, 3))
+            finally:
+                for s in hogs:
+                    s.close()
+            # fds come back: new connections are accepted again
+            peer2 = await agent.connect(target.address, timeout=60)
+            src2 = agent.register(pattern(1 << 20, 4))
+            await peer2.put(await peer2.region("kv"), src2)
+            assert await target.hash("kv", 0, 1 << 20) == sha(pattern(1 << 20, 4))
+            await peer.put(kv, src)
+            assert await target.hash("kv", 0, 1 << 20) == sha(pattern(1 << 20, 3))
+    finally:
+        await target.aclose()
+
+
+async def test_memfd_socket_checks_credentials_and_drops_idle_connections(monkeypatch):
+    from aiohixl.transports import shm
+
+    monkeypatch.setattr(shm, "HANDSHAKE_TIMEOUT", 0.5)
+    async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN) as target:
+        shm_transport = target._transports["shm"]
+        for _ in range(100):  # the listener starts its side servers in the background
+            if shm_transport._socket_name:
+                break
+            await anyio.sleep(0.05)
+        name = shm_transport._socket_name
+        assert name
+        idle = [await anyio.connect_unix(name) for _ in range(shm.MAX_PER_PID + 2)]
+        try:
+            # more than MAX_PER_PID from one process: closed at once; the rest once the timeout passes
+            with anyio.fail_after(30):
+                for s in idle:
+                    with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError)):
+                        await s.receive()
+        finally:
+            for s in idle:
+                await s.aclose()
+        # the socket still serves: a same-host peer maps memfd regions through it
+        target.allocate(4096, name="kv")
+        async with aiohixl.Agent("me", token=TOKEN, transports=("shm",)) as me:
+            peer = await me.connect(target.address)
+            assert await peer.path(await peer.region("kv")) == "shm-memfd"

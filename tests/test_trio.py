@@ -20,7 +20,7 @@ def test_put_get_many_on_trio():
             src_arr = random_bytes(8 << 20, seed=11)
             src = agent.register(src_arr)
             dst_arr = np.zeros(8 << 20, dtype=np.uint8)
-            agent.register(dst_arr, name="d")
+            agent.register(dst_arr, name="d", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
             peer = agent.loopback()
             d = await peer.region("d")
             await peer.put(d[:4096], src[:4096])  # inline
@@ -44,7 +44,7 @@ def test_concurrent_ops_and_errors_on_trio():
         async with aiohixl.Agent() as agent:
             src = agent.register(random_bytes(1 << 20, seed=12))
             dst_arr = np.zeros(200 << 20, dtype=np.uint8)
-            agent.register(dst_arr, name="d")
+            agent.register(dst_arr, name="d", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
             agent.register(bytearray(10), name="ro", access=Access.REMOTE_READ)
             peer = agent.loopback()
             d = await peer.region("d")
@@ -71,7 +71,7 @@ def test_cancellation_on_trio():
         async with aiohixl.Agent() as agent:
             src = agent.register(np.ones(128 << 20, dtype=np.uint8))
             dst_arr = np.zeros(128 << 20, dtype=np.uint8)
-            region = agent.register(dst_arr, name="d")
+            region = agent.register(dst_arr, name="d", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE)
             peer = agent.loopback()
             d = await peer.region("d")
             with trio.move_on_after(0.0001):

@@ -65,8 +65,12 @@ static int acquire_all(hx_agent *a, hx_registry *remote, int opcode, const hx_sg
         int rc = hx_region_acquire(a, sges[i].local_region, sges[i].local_off, sges[i].len, 0, &local,
                                    &regions[2 * i]);
         if (rc == HX_OK) {
-            rc = hx_reg_acquire(remote, sges[i].remote_region, sges[i].remote_off, sges[i].len, need, &far,
-                                &regions[2 * i + 1]);
+            /* Loopback: the remote end is this agent's own registry, reached by
+             * descriptor like any peer's, so the key is checked. A same-host
+             * peer's maps hold only what the target itself handed out. */
+            const uint64_t *key = remote == &a->regs ? &sges[i].remote_key : NULL;
+            rc = hx_reg_acquire(remote, sges[i].remote_region, key, sges[i].remote_off, sges[i].len, need,
+                                &far, &regions[2 * i + 1]);
             if (rc != HX_OK)
                 hx_region_release(regions[2 * i]);
         }
@@ -79,6 +83,70 @@ static int acquire_all(hx_agent *a, hx_registry *remote, int opcode, const hx_sg
         src[i] = opcode == HX_OP_PUT ? local : far;
     }
     return HX_OK;
+}
+
+typedef struct {
+    uintptr_t start, end;
+} span;
+
+static int span_cmp(const void *x, const void *y)
+{
+    const span *a = x, *b = y;
+    return a->start < b->start ? -1 : a->start > b->start;
+}
+
+/* Both ends in this address space (pid == 0): whether some destination range
+ * overlaps some source range. One pair overlapping itself is copied like
+ * memmove (in one piece); across pairs the order of copies is not defined, so
+ * a submission whose destinations overlap its sources is refused. Returns
+ * 1 (one pair, overlapping itself), 0 (no overlap), HX_E_INVAL or
+ * HX_E_NOMEM. O(n log n). */
+static int check_overlap(const hx_sge *sges, uint32_t n, uint8_t **dst, const uint8_t **src)
+{
+    if (n == 1) {
+        uintptr_t d = (uintptr_t)dst[0], s = (uintptr_t)src[0], l = sges[0].len;
+        return d < s + l && s < d + l;
+    }
+    /* Fast path: the hull of the destinations misses the hull of the sources. */
+    uintptr_t dlo = UINTPTR_MAX, dhi = 0, slo = UINTPTR_MAX, shi = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uintptr_t d = (uintptr_t)dst[i], s = (uintptr_t)src[i], l = sges[i].len;
+        dlo = d < dlo ? d : dlo;
+        dhi = d + l > dhi ? d + l : dhi;
+        slo = s < slo ? s : slo;
+        shi = s + l > shi ? s + l : shi;
+    }
+    if (dhi <= slo || shi <= dlo)
+        return 0;
+    span *srcs = malloc(n * sizeof *srcs);
+    uintptr_t *maxend = malloc(n * sizeof *maxend);
+    if (!srcs || !maxend) {
+        free(srcs);
+        free(maxend);
+        return HX_E_NOMEM;
+    }
+    for (uint32_t i = 0; i < n; i++)
+        srcs[i] = (span){(uintptr_t)src[i], (uintptr_t)src[i] + sges[i].len};
+    qsort(srcs, n, sizeof *srcs, span_cmp);
+    for (uint32_t i = 0; i < n; i++)
+        maxend[i] = i && maxend[i - 1] > srcs[i].end ? maxend[i - 1] : srcs[i].end;
+    int rc = 0;
+    for (uint32_t i = 0; i < n && !rc; i++) {
+        uintptr_t ds = (uintptr_t)dst[i], de = ds + sges[i].len;
+        uint32_t lo = 0, hi = n; /* how many sources start before de */
+        while (lo < hi) {
+            uint32_t mid = lo + (hi - lo) / 2;
+            if (srcs[mid].start < de)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo && maxend[lo - 1] > ds)
+            rc = HX_E_INVAL;
+    }
+    free(srcs);
+    free(maxend);
+    return rc;
 }
 
 static void free_tasks(hx_task *t)
@@ -109,6 +177,14 @@ int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t 
     job->peer_failed = &p->failed;
     atomic_init(&job->status, HX_OK);
 
+    int overlap = pid ? 0 : check_overlap(sges, n, dst, src);
+    if (overlap < 0) {
+        for (uint32_t i = 0; i < job->nregions; i++)
+            hx_region_release(job->regions[i]);
+        rc = overlap;
+        goto out;
+    }
+
     uint64_t total = 0;
     for (uint32_t i = 0; i < n; i++)
         total += sges[i].len;
@@ -131,6 +207,8 @@ int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t 
     if (piece < HX_COPY_PIECE_MIN)
         piece = HX_COPY_PIECE_MIN;
     piece = (piece + 4095) & ~(uint64_t)4095;
+    if (overlap)
+        piece = total; /* one memmove: pieces copied in parallel would read bytes already overwritten */
     hx_task *first = NULL, *last = NULL;
     int pieces = 0;
     for (uint32_t i = 0; i < n; i++) {

@@ -39,7 +39,8 @@ hx_region *hx_reg_find_locked(hx_registry *reg, uint32_t id)
     return NULL;
 }
 
-int hx_reg_add(hx_registry *reg, uint32_t id, uint8_t *base, uint64_t len, uint32_t access, int kind)
+int hx_reg_add(hx_registry *reg, uint32_t id, uint8_t *base, uint64_t len, uint32_t access, int kind,
+               uint64_t key)
 {
     if (!base && len != 0)
         return HX_E_INVAL;
@@ -54,6 +55,7 @@ int hx_reg_add(hx_registry *reg, uint32_t id, uint8_t *base, uint64_t len, uint3
     r->base = base;
     r->len = len;
     r->kind = (uint8_t)kind;
+    r->key = key;
     pthread_mutex_lock(&reg->lock);
     if (hx_reg_find_locked(reg, id)) {
         pthread_mutex_unlock(&reg->lock);
@@ -98,10 +100,12 @@ int hx_reg_remove(hx_registry *reg, uint32_t id, int wait, uint8_t **base, uint6
     return HX_OK;
 }
 
-static int check_locked(hx_region *r, uint64_t off, uint64_t len, uint32_t need)
+static int check_locked(hx_region *r, const uint64_t *key, uint64_t off, uint64_t len, uint32_t need)
 {
     if (!r || r->removed)
         return HX_E_NOREGION;
+    if (key && *key != r->key)
+        return HX_E_NOREGION; /* a guessed id is no region at all */
     if ((r->access & need) != need)
         return HX_E_ACCESS;
     if (off > r->len || len > r->len - off)
@@ -109,17 +113,26 @@ static int check_locked(hx_region *r, uint64_t off, uint64_t len, uint32_t need)
     return HX_OK;
 }
 
-int hx_reg_acquire(hx_registry *reg, uint32_t id, uint64_t off, uint64_t len, uint32_t need, uint8_t **ptr,
-                   hx_region **out)
+int hx_reg_acquire(hx_registry *reg, uint32_t id, const uint64_t *key, uint64_t off, uint64_t len,
+                   uint32_t need, uint8_t **ptr, hx_region **out)
 {
     pthread_mutex_lock(&reg->lock);
     hx_region *r = hx_reg_find_locked(reg, id);
-    int rc = check_locked(r, off, len, need);
+    int rc = check_locked(r, key, off, len, need);
     if (rc == HX_OK) {
         r->busy++;
         *ptr = r->base + off;
         *out = r;
     }
+    pthread_mutex_unlock(&reg->lock);
+    return rc;
+}
+
+int hx_reg_check(hx_registry *reg, uint32_t id, const uint64_t *key, uint64_t off, uint64_t len,
+                 uint32_t need)
+{
+    pthread_mutex_lock(&reg->lock);
+    int rc = check_locked(hx_reg_find_locked(reg, id), key, off, len, need);
     pthread_mutex_unlock(&reg->lock);
     return rc;
 }
@@ -135,9 +148,9 @@ void hx_region_release(hx_region *r)
 
 /* The agent's own memory. */
 
-int hx_region_add(hx_agent *a, uint32_t id, uint64_t addr, uint64_t len, uint32_t access)
+int hx_region_add(hx_agent *a, uint32_t id, uint64_t addr, uint64_t len, uint32_t access, uint64_t key)
 {
-    return hx_reg_add(&a->regs, id, (uint8_t *)(uintptr_t)addr, len, access, HX_MEM_DIRECT);
+    return hx_reg_add(&a->regs, id, (uint8_t *)(uintptr_t)addr, len, access, HX_MEM_DIRECT, key);
 }
 
 int hx_region_remove(hx_agent *a, uint32_t id, int wait)
@@ -148,5 +161,5 @@ int hx_region_remove(hx_agent *a, uint32_t id, int wait)
 int hx_region_acquire(hx_agent *a, uint32_t id, uint64_t off, uint64_t len, uint32_t need, uint8_t **ptr,
                       hx_region **out)
 {
-    return hx_reg_acquire(&a->regs, id, off, len, need, ptr, out);
+    return hx_reg_acquire(&a->regs, id, NULL, off, len, need, ptr, out);
 }

@@ -27,7 +27,7 @@ static int shm_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, 
     /* Every sge names one remote region, all of one kind (Python routes them). */
     hx_region *r = NULL;
     uint8_t *ptr;
-    int rc = hx_reg_acquire(&s->maps, sges[0].remote_region, 0, 0, 0, &ptr, &r);
+    int rc = hx_reg_acquire(&s->maps, sges[0].remote_region, NULL, 0, 0, 0, &ptr, &r);
     if (rc != HX_OK)
         return rc;
     int pid = r->kind == HX_MEM_CMA ? s->pid : 0;
@@ -84,12 +84,12 @@ int hx_shm_map(hx_peer *p, uint32_t region, int fd, uint64_t size, uint32_t acce
     if (end < 0 || (uint64_t)end < size)
         return HX_E_BOUNDS;
     if (size == 0)
-        return hx_reg_add(&s->maps, region, NULL, 0, access, HX_MEM_DIRECT);
+        return hx_reg_add(&s->maps, region, NULL, 0, access, HX_MEM_DIRECT, 0);
     int prot = PROT_READ | ((access & HX_ACCESS_REMOTE_WRITE) ? PROT_WRITE : 0);
     void *m = mmap(NULL, size, prot, MAP_SHARED | MAP_POPULATE, fd, 0);
     if (m == MAP_FAILED)
         return errno == EACCES ? HX_E_ACCESS : HX_E_SYS;
-    int rc = hx_reg_add(&s->maps, region, m, size, access, HX_MEM_DIRECT);
+    int rc = hx_reg_add(&s->maps, region, m, size, access, HX_MEM_DIRECT, 0);
     if (rc != HX_OK)
         munmap(m, size);
     return rc;
@@ -98,7 +98,7 @@ int hx_shm_map(hx_peer *p, uint32_t region, int fd, uint64_t size, uint32_t acce
 int hx_shm_attach(hx_peer *p, uint32_t region, uint64_t addr, uint64_t size, uint32_t access)
 {
     shm_peer *s = (shm_peer *)p;
-    return hx_reg_add(&s->maps, region, (uint8_t *)(uintptr_t)addr, size, access, HX_MEM_CMA);
+    return hx_reg_add(&s->maps, region, (uint8_t *)(uintptr_t)addr, size, access, HX_MEM_CMA, 0);
 }
 
 int hx_shm_forget(hx_peer *p, uint32_t region, int wait)

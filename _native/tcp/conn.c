@@ -92,6 +92,7 @@ int tcp_flush_budget(hx_agent *a, conn *c, uint64_t budget)
             if (f->sent < f->hdrlen + f->datalen)
                 break;
             c->unsent = f->next;
+            c->last_tx_ns = tcp_now_ns(); /* the next frame's turn starts now */
             if (c->target) {
                 /* A response is done once sent; requests wait for theirs. */
                 c->head = f->next;
@@ -115,8 +116,10 @@ void tcp_append_locked(conn *c, frame *first, frame *last, uint32_t count)
     else
         c->head = first;
     c->tail = last;
-    if (!c->unsent)
+    if (!c->unsent) {
         c->unsent = first;
+        c->last_tx_ns = tcp_now_ns();
+    }
     if (c->target)
         c->outq += count;
 }
@@ -153,6 +156,8 @@ void tcp_conn_fail(hx_agent *a, conn *c, int status)
         hx_region_release(c->rregion);
         c->rregion = NULL;
     }
+    free(c->rcheck);
+    c->rcheck = NULL;
     if (c->target && c->in_payload) {
         c->in_payload = false;
         T(a)->io->payloads--;
@@ -233,10 +238,14 @@ conn *tcp_conn_add(hx_agent *a, int fd, bool target, uint64_t session, int *stat
     }
     c->next_all = io->conns;
     io->conns = c;
+    if (target)
+        atomic_fetch_add(&io->targets, 1);
     /* Added to epoll last: from here on the I/O thread may use it. */
     struct epoll_event ev = {.events = c->events, .data.ptr = c};
     if (epoll_ctl(io->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
         io->conns = c->next_all;
+        if (target)
+            atomic_fetch_sub(&io->targets, 1);
         pthread_mutex_unlock(&t->lock);
         tcp_conn_destroy(c);
         *status = HX_E_SYS;

@@ -88,6 +88,61 @@ void tcp_beacon_locked(hx_agent *a, conn *c)
     tcp_flush_locked(a, c);
 }
 
+static void put32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put64(uint8_t *p, uint64_t v)
+{
+    put32(p, (uint32_t)v);
+    put32(p + 4, (uint32_t)(v >> 32));
+}
+
+/* CHECK frames for an op of more than one frame: the target checks every
+ * piece before it places any, so a refused op leaves its memory untouched. */
+static int check_frames(tcp_op *op, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n, frame **first,
+                        frame **last, int *count)
+{
+    const uint32_t per = HX_TCP_CHUNK / CHECK_ENTRY;
+    for (uint32_t start = 0; start < n; start += per) {
+        uint32_t k = n - start < per ? n - start : per;
+        frame *f = calloc(1, sizeof *f);
+        uint8_t *e = calloc(k, CHECK_ENTRY);
+        if (!f || !e) {
+            free(f);
+            free(e);
+            return HX_E_NOMEM;
+        }
+        for (uint32_t i = 0; i < k; i++) {
+            const hx_sge *s = &sges[start + i];
+            put32(e + i * CHECK_ENTRY, s->remote_region);
+            put64(e + i * CHECK_ENTRY + 8, s->remote_key);
+            put64(e + i * CHECK_ENTRY + 16, s->remote_off);
+            put64(e + i * CHECK_ENTRY + 24, s->len);
+        }
+        tcp_put_req(f->hdr, &(tcp_req){.op = W_CHECK,
+                                       .region = opcode == HX_OP_PUT ? W_PUT : W_GET,
+                                       .len = (uint64_t)k * CHECK_ENTRY,
+                                       .op_id = op_id});
+        f->hdrlen = REQ_SIZE;
+        f->op = op;
+        f->op_id = op_id;
+        f->opcode = HX_OP_PUT; /* answered with an ack */
+        f->owned = e;
+        f->data = e;
+        f->datalen = (uint64_t)k * CHECK_ENTRY;
+        if (*last)
+            (*last)->next = f;
+        else
+            *first = f;
+        *last = f;
+        (*count)++;
+    }
+    return HX_OK;
+}
+
 int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n)
 {
     conn *c = (conn *)p;
@@ -98,6 +153,11 @@ int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_
     op->op_id = op_id;
     frame *first = NULL, *last = NULL;
     int count = 0, rc = HX_OK;
+    uint64_t frames = 0;
+    for (uint32_t i = 0; i < n; i++)
+        frames += (sges[i].len + HX_TCP_CHUNK - 1) / HX_TCP_CHUNK;
+    if (frames > 1)
+        rc = check_frames(op, opcode, op_id, sges, n, &first, &last, &count);
     for (uint32_t i = 0; i < n && rc == HX_OK; i++) {
         uint8_t *local;
         rc = hx_region_acquire(a, sges[i].local_region, sges[i].local_off, sges[i].len, 0, &local,
@@ -118,7 +178,8 @@ int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_
                                            .region = sges[i].remote_region,
                                            .off = sges[i].remote_off + off,
                                            .len = len,
-                                           .op_id = op_id});
+                                           .op_id = op_id,
+                                           .key = sges[i].remote_key});
             f->hdrlen = REQ_SIZE;
             f->op = op;
             f->op_id = op_id;
@@ -145,6 +206,7 @@ int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_
     }
     while (first) {
         frame *next = first->next;
+        free(first->owned);
         free(first);
         first = next;
     }

@@ -99,6 +99,8 @@ static void sweep(hx_agent *a)
             tcp_conn_fail(a, c, req);
         if (c->broken && (c->target || atomic_load(&c->freeing))) {
             *pp = c->next_all;
+            if (c->target)
+                atomic_fetch_sub(&io->targets, 1);
             tcp_conn_destroy(c);
             continue;
         }
@@ -112,9 +114,18 @@ static void cut_stalled(hx_agent *a)
     tcp_agent *t = T(a);
     uint64_t now = tcp_now_ns();
     pthread_mutex_lock(&t->lock);
-    for (conn *c = t->io->conns; c; c = c->next_all)
-        if (c->target && c->in_payload && !c->broken && now - c->last_rx_ns > t->stall_ns)
+    for (conn *c = t->io->conns; c; c = c->next_all) {
+        if (!c->target || c->broken)
+            continue;
+        if (c->in_payload && now - c->last_rx_ns > t->stall_ns)
             atomic_store(&c->fail_req, HX_E_PROTO);
+        /* Answers the peer does not read: a GET's data holds its region busy. */
+        pthread_mutex_lock(&c->lock);
+        bool stuck = c->unsent && now - c->last_tx_ns > t->stall_ns;
+        pthread_mutex_unlock(&c->lock);
+        if (stuck)
+            atomic_store(&c->fail_req, HX_E_PROTO);
+    }
     pthread_mutex_unlock(&t->lock);
 }
 
@@ -170,8 +181,9 @@ static void *io_main(void *arg)
     while (!atomic_load(&io->stop)) {
         /* A short spin after activity saves the wake-up of a blocked thread
          * for the next frame of a burst; an idle agent blocks, waking only
-         * for heartbeats while it has connections. */
-        int timeout = tcp_now_ns() < active_until ? 0 : (io->payloads ? 1000 : -1);
+         * for heartbeats and the stall check while it has connections. */
+        bool watch = io->payloads || atomic_load(&io->targets);
+        int timeout = tcp_now_ns() < active_until ? 0 : (watch ? 1000 : -1);
         if (timeout != 0 && t->hb_interval_ns && io->conns) {
             uint64_t now = tcp_now_ns();
             int beat_ms = next_beat > now ? (int)((next_beat - now) / 1000000) + 1 : 0;
@@ -239,7 +251,7 @@ static void *io_main(void *arg)
             next_beat = tcp_now_ns() + t->hb_interval_ns / 4;
             sweep_needed = true;
         }
-        if (io->payloads && tcp_now_ns() >= next_stall_check) {
+        if (watch && tcp_now_ns() >= next_stall_check) {
             cut_stalled(a);
             next_stall_check = tcp_now_ns() + 1000000000ull;
             sweep_needed = true;
@@ -281,6 +293,7 @@ tcp_io *tcp_io_get(hx_agent *a, int *status)
     if (epoll_ctl(io->epfd, EPOLL_CTL_ADD, io->evfd, &ev) < 0)
         goto fail;
     atomic_init(&io->stop, false);
+    atomic_init(&io->targets, 0);
     t->io = io;
     if (pthread_create(&io->thread, NULL, io_main, a) != 0) {
         t->io = NULL;

@@ -105,6 +105,15 @@ static int note_done(hx_agent *a, conn *c)
 
 int tcp_target_note_retry(hx_agent *a, conn *c) { return c->note_held ? note_done(a, c) : 0; }
 
+static void begin_payload(hx_agent *a, conn *c, const tcp_req *q)
+{
+    c->rlen = q->len;
+    c->rdone = 0;
+    c->rop_id = q->op_id;
+    c->in_payload = true;
+    T(a)->io->payloads++;
+}
+
 /* A request header is complete: check it, then set up its payload or answer it. */
 int tcp_target_request(hx_agent *a, conn *c)
 {
@@ -130,21 +139,60 @@ int tcp_target_request(hx_agent *a, conn *c)
     }
     uint8_t *ptr = NULL;
     hx_region *r = NULL;
+    if (c->refusing && q.op_id != c->refuse_op_id)
+        c->refusing = false; /* the refused op's frames are over */
+    if (q.op == W_CHECK) {
+        c->rcheck = malloc(q.len);
+        if (!c->rcheck)
+            return -2;
+        c->rcheck_op = q.region;
+        c->rstatus = HX_OK;
+        c->rregion = NULL;
+        c->rdst = c->rcheck;
+        begin_payload(a, c, &q);
+        return 0;
+    }
+    if (c->refusing) {
+        /* An earlier piece of this op failed its check: nothing of it lands. */
+        if (q.op == W_GET)
+            return enqueue_response(a, c, R_DATA, c->refuse_status, q.op_id, NULL, 0, NULL);
+        c->rstatus = c->refuse_status;
+        c->rregion = NULL;
+        c->rdst = NULL;
+        begin_payload(a, c, &q);
+        return 0;
+    }
     if (q.op == W_GET) {
-        int rc = hx_region_acquire(a, q.region, q.off, q.len, HX_ACCESS_REMOTE_READ, &ptr, &r);
+        int rc = hx_reg_acquire(&a->regs, q.region, &q.key, q.off, q.len, HX_ACCESS_REMOTE_READ, &ptr, &r);
         if (rc != HX_OK)
             return enqueue_response(a, c, R_DATA, rc, q.op_id, NULL, 0, NULL);
         return enqueue_response(a, c, R_DATA, HX_OK, q.op_id, ptr, q.len, r);
     }
-    c->rstatus = hx_region_acquire(a, q.region, q.off, q.len, HX_ACCESS_REMOTE_WRITE, &ptr, &r);
+    c->rstatus = hx_reg_acquire(&a->regs, q.region, &q.key, q.off, q.len, HX_ACCESS_REMOTE_WRITE, &ptr, &r);
     c->rregion = c->rstatus == HX_OK ? r : NULL;
     c->rdst = c->rstatus == HX_OK ? ptr : NULL;
-    c->rlen = q.len;
-    c->rdone = 0;
-    c->rop_id = q.op_id;
-    c->in_payload = true;
-    T(a)->io->payloads++;
+    begin_payload(a, c, &q);
     return 0;
+}
+
+static uint32_t get32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static uint64_t get64(const uint8_t *p) { return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32; }
+
+/* Every piece of an op, checked before any of it is placed. */
+static int check_entries(hx_agent *a, const uint8_t *e, uint64_t len, uint32_t op)
+{
+    uint32_t need = op == W_PUT ? HX_ACCESS_REMOTE_WRITE : HX_ACCESS_REMOTE_READ;
+    for (uint64_t off = 0; off < len; off += CHECK_ENTRY) {
+        uint64_t key = get64(e + off + 8);
+        int rc = hx_reg_check(&a->regs, get32(e + off), &key, get64(e + off + 16), get64(e + off + 24), need);
+        if (rc != HX_OK)
+            return rc;
+    }
+    return HX_OK;
 }
 
 int tcp_target_payload_done(hx_agent *a, conn *c)
@@ -153,6 +201,20 @@ int tcp_target_payload_done(hx_agent *a, conn *c)
     T(a)->io->payloads--;
     if (c->rnote)
         return note_done(a, c);
+    if (c->rcheck) {
+        int status = check_entries(a, c->rcheck, c->rlen, c->rcheck_op);
+        free(c->rcheck);
+        c->rcheck = NULL;
+        c->rdst = NULL;
+        if (status != HX_OK && !c->refusing) {
+            c->refusing = true;
+            c->refuse_op_id = c->rop_id;
+            c->refuse_status = status;
+        }
+        if (c->refusing && c->refuse_op_id == c->rop_id)
+            status = c->refuse_status;
+        c->rstatus = status;
+    }
     if (c->rregion) {
         hx_region_release(c->rregion);
         c->rregion = NULL;

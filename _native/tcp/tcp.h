@@ -2,7 +2,7 @@
  * connection, in both roles.
  *
  * Initiator: an op is cut into chunks of at most HX_TCP_CHUNK bytes, each a
- * request frame (a 40-byte header, then for a PUT the payload, sent straight
+ * request frame (a 48-byte header, then for a PUT the payload, sent straight
  * from the source memory with sendmsg). The target answers every request in
  * order, so responses are matched to the oldest outstanding chunk: no address
  * ever comes from the wire.
@@ -31,12 +31,19 @@
 #define AIOHIXL_TCP_H
 #include "internal.h"
 
-#define REQ_SIZE 40
+#define REQ_SIZE 48
 #define RESP_SIZE 32
 #define HX_TCP_CHUNK (1u << 20)
 #define OUTQ_HIGH 512 /* target stops reading requests above this many queued responses */
 
-enum { W_PUT = 1, W_GET = 2, W_NOTE = 3, W_PING = 4 };
+enum { W_PUT = 1, W_GET = 2, W_CHECK = 3, W_NOTE = 4, W_PING = 5 };
+/* W_CHECK: sent before the frames of an op of more than one frame. Its
+ * payload is one CHECK_ENTRY per piece of the op (region u32, 4 reserved,
+ * key u64, offset u64, length u64), its region field the op checked (W_PUT or
+ * W_GET). The target checks every entry before it places a byte; when one
+ * fails, the check and every later frame of that op id are refused with that
+ * status, so a refused op leaves the target's memory untouched. */
+#define CHECK_ENTRY 32
 enum { R_ACK = 1, R_DATA = 2, R_PONG = 3, R_ALIVE = 4 };
 /* Initiator frames that are no put or get (frame.opcode). */
 enum { OP_NOTE = 3, OP_PING = 4 };
@@ -92,7 +99,14 @@ typedef struct conn {
     int rstatus;
     hx_region *rregion;
     uint64_t rop_id;
+    uint8_t *rcheck;    /* a CHECK's payload being received (target) */
+    uint32_t rcheck_op; /* the op it checks: W_PUT or W_GET */
+    bool refusing;      /* a CHECK failed: refuse the rest of op refuse_op_id */
+    uint64_t refuse_op_id;
+    int refuse_status;
     frame *rframe;
+    /* last_tx_ns: when bytes last went out, or the frame now at the head of
+     * the send queue became the head (heartbeats; the drain stall check) */
     uint64_t last_rx_ns, last_tx_ns;
     /* target: the notification being received, or held while the agent's
      * queue is full (reading stops meanwhile); the last refused op */
@@ -106,7 +120,8 @@ typedef struct conn {
 
 /* The I/O thread, started with the agent's first tcp connection. */
 typedef struct tcp_io {
-    int payloads; /* target conns in the middle of a PUT payload (I/O thread only) */
+    int payloads;       /* target conns in the middle of a PUT payload (I/O thread only) */
+    atomic_int targets; /* target conns: their answers must drain, so the stall check runs */
     int epfd;
     int evfd;
     pthread_t thread;
@@ -118,7 +133,8 @@ typedef struct tcp_io {
 
 /* The transport's state in an agent: a->state[HX_TRANSPORT_TCP], made when
  * the agent is. A peer that stops in the middle of a PUT's payload for
- * stall_ns is cut off: the region it was writing is busy meanwhile, and
+ * stall_ns, or that leaves one of our answers (a GET's data) unread for
+ * stall_ns, is cut off: the region the frame touches is busy meanwhile, and
  * Region.close() waits for it. Live peers that merely have nothing to send
  * are never affected. */
 typedef struct tcp_agent {
@@ -130,13 +146,16 @@ typedef struct tcp_agent {
 
 static inline tcp_agent *T(hx_agent *a) { return a->state[HX_TRANSPORT_TCP]; }
 
+uint64_t tcp_now_ns(void);
+
 /* wire.c: frame headers, all integers little endian. A request is magic,
- * op (W_*), region, offset, length (1..HX_TCP_CHUNK) and op id; a response
+ * op (W_*), region, offset, length (1..HX_TCP_CHUNK), op id and the region's
+ * key (from its descriptor); a response
  * magic, kind (R_*), status, op id and the length of the data that follows. */
 typedef struct {
     int op;
     uint32_t region;
-    uint64_t off, len, op_id;
+    uint64_t off, len, op_id, key;
 } tcp_req;
 
 typedef struct {

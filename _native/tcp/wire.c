@@ -1,8 +1,11 @@
 /* The tcp data frames' headers (docs/protocol.md, "Data frames").
  *
  * request, REQ_SIZE bytes:   0 magic u32, 4 op u8 (W_*), 8 region u32,
- *                            16 offset u64, 24 length u64, 32 op id u64
- *                            (W_NOTE: offset is the op it follows, 0 for
+ *                            16 offset u64, 24 length u64, 32 op id u64,
+ *                            40 region key u64
+ *                            (W_CHECK: region is the op checked, offset 0,
+ *                            length that of the entries that follow;
+ *                            W_NOTE: offset is the op it follows, 0 for
  *                            none; length the message's, which follows)
  * response, RESP_SIZE bytes: 0 magic u32, 4 kind u8 (R_*), 8 status i32,
  *                            16 op id u64, 24 length u64 of the data that follows
@@ -31,6 +34,7 @@ void tcp_put_req(uint8_t *h, const tcp_req *r)
     put64(h + 16, r->off);
     put64(h + 24, r->len);
     put64(h + 32, r->op_id);
+    put64(h + 40, r->key);
 }
 
 void tcp_put_resp(uint8_t *h, const tcp_resp *r)
@@ -52,10 +56,15 @@ int tcp_get_req(const uint8_t *h, tcp_req *r)
     r->off = get64(h + 16);
     r->len = get64(h + 24);
     r->op_id = get64(h + 32);
+    r->key = get64(h + 40);
     switch (r->op) {
     case W_PUT:
     case W_GET:
         return r->len == 0 || r->len > HX_TCP_CHUNK ? -1 : 0;
+    case W_CHECK:
+        if (r->len == 0 || r->len > HX_TCP_CHUNK || r->len % CHECK_ENTRY)
+            return -1;
+        return r->region == W_PUT || r->region == W_GET ? 0 : -1;
     case W_NOTE:
         return r->len > HX_NOTE_MAX ? -1 : 0;
     case W_PING:

@@ -17,6 +17,11 @@ def pin(obj: Any, what: str) -> Pinned | None:
     if not view.c_contiguous:
         view.release()
         raise UnsupportedMemory(f"{what}: {type(obj).__name__} buffer is not C-contiguous")
+    if view.nbytes == 0:
+        # memoryview cannot cast an empty N-d view; nothing to point at either.
+        readonly = view.readonly
+        view.release()
+        return Pinned(0, 0, readonly, "cpu", (), b"" if readonly else bytearray())
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
     cdata = ffi.from_buffer(view, require_writable=not view.readonly)

@@ -45,8 +45,9 @@ class Plan:
     @classmethod
     def make(cls, quick: bool, full: bool) -> Plan:
         if quick:
-            return cls(bw_sizes=(64 * KiB, 1 * MiB, 16 * MiB), lat_ops=1000, bw_seconds=0.25,
-                       small_ops=4000, idle_seconds=1.0)
+            return cls(
+                bw_sizes=(64 * KiB, 1 * MiB, 16 * MiB), lat_ops=1000, bw_seconds=0.25, small_ops=4000, idle_seconds=1.0
+            )
         if full:
             return cls(bw_sizes=cls.bw_sizes + (256 * MiB,))
         return cls()
@@ -127,6 +128,7 @@ else:
 
 def _sink(mode: bytes) -> tuple[subprocess.Popen, socket.socket]:
     proc = subprocess.Popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
     port = int(proc.stdout.readline())
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -174,7 +176,9 @@ async def serve(max_size: int) -> None:
         agent.allocate(max_size, name="dst")  # memfd: mapped by same-host peers
 
         user = np.zeros(max_size, dtype=np.uint8)
-        agent.register(user, name="udst")  # user memory: cross-memory attach
+        agent.register(
+            user, name="udst", access=aiohixl.Access.REMOTE_READ | aiohixl.Access.REMOTE_WRITE
+        )  # user memory: cross-memory attach
         print(agent.address, flush=True)
         loop = asyncio.get_running_loop()
         while True:
@@ -257,12 +261,14 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
         local = agent.allocate(max_size)
 
         np.frombuffer(local.memory, dtype=np.uint8)[:] = np.random.default_rng(5).integers(
-            0, 256, max_size, dtype=np.uint8)
+            0, 256, max_size, dtype=np.uint8
+        )
         if name == "loopback":
             agent.allocate(max_size, name="dst")
             peer = agent.loopback()
         else:
             only = {"tcp": ("tcp",), "verbs": ("verbs", "tcp")}.get(name)
+            assert target is not None  # every path but loopback has its target process
             peer = await agent.connect(target.address, transports=only)
         remote = await peer.region("udst" if name == "shm-cma" else "dst")
         out["path"] = await peer.path(remote)
@@ -275,7 +281,7 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
         for size in plan.bw_sizes:
             depth = plan.inflight if size * plan.inflight <= max_size else max(1, max_size // size)
             row = {"one_gbps": await bandwidth(peer, remote, local, size, 1, plan.bw_seconds)}
-            cpu0 = target.cpu() if target else None
+            cpu0 = target.cpu() if target else 0.0
             t0 = time.perf_counter()
             row["inflight"] = depth
             row["inflight_gbps"] = await bandwidth(peer, remote, local, size, depth, plan.bw_seconds)
@@ -303,8 +309,11 @@ async def idle_cpu(seconds: float, target: TargetProcess) -> dict[str, float]:
         cpu0, tcpu0, t0 = time.process_time(), target.cpu(), time.perf_counter()
         await asyncio.sleep(seconds)
         elapsed = time.perf_counter() - t0
-        return {"initiator_pct": 100 * (time.process_time() - cpu0) / elapsed,
-                "target_pct": 100 * (target.cpu() - tcpu0) / elapsed, "seconds": seconds}
+        return {
+            "initiator_pct": 100 * (time.process_time() - cpu0) / elapsed,
+            "target_pct": 100 * (target.cpu() - tcpu0) / elapsed,
+            "seconds": seconds,
+        }
 
 
 # ---------- report ----------
@@ -317,7 +326,7 @@ def ratio(a: float, b: float) -> str:
 def render_peers(r: Results) -> list[str]:
     """Peers beside the aiohixl path they compare with; ratios > 1 mean aiohixl is better."""
     lines = ["", "peers (two processes, host DRAM, one write at a time, target bytes verified):"]
-    sizes = [k for k in next(iter(r.transports.values()))["bandwidth"]] if r.transports else []
+    sizes = list(next(iter(r.transports.values()))["bandwidth"]) if r.transports else []
     head = f"  {'':<22}{'4 KiB lat':>11}{'64 KiB lat':>12}" + "".join(f"{s:>10}" for s in sizes)
     lines.append(head + "  idle CPU  verified")
     for label, p in r.peers.items():
@@ -329,18 +338,26 @@ def render_peers(r: Results) -> list[str]:
         lat = p["latency_us"]
         row = f"  {label:<22}{lat['4096']['median']:>8.1f} us{lat['65536']['median']:>9.1f} us"
         row += "".join(f"{p['bandwidth_gbps'][str(_size_of(s))]:>10.2f}" for s in sizes)
-        lines.append(row + f"  {p.get('idle_cpu_pct', float('nan')):6.1f}%  {p['verified']}"
-                     + (f"  ({p['exit']})" if "exit" in p else ""))
+        lines.append(
+            row
+            + f"  {p.get('idle_cpu_pct', float('nan')):6.1f}%  {p['verified']}"
+            + (f"  ({p['exit']})" if "exit" in p else "")
+        )
         if ours is None:
             continue
         olat = ours["latency"]
-        row = f"  {'aiohixl ' + ours_name:<22}{olat['put 4 KiB']['median_us']:>8.1f} us{olat['put 64 KiB']['median_us']:>9.1f} us"
+        row = f"  {'aiohixl ' + ours_name:<22}{olat['put 4 KiB']['median_us']:>8.1f} us"
+        row += f"{olat['put 64 KiB']['median_us']:>9.1f} us"
         row += "".join(f"{ours['bandwidth'][s]['one_gbps']:>10.2f}" for s in sizes)
         idle = r.machine.get("idle", {}).get("initiator_pct", float("nan"))
         lines.append(row + f"  {idle:6.1f}%  {ours.get('verified')}")
-        row = (f"  {'  aiohixl advantage':<22}{lat['4096']['median'] / olat['put 4 KiB']['median_us']:>9.2f}x"
-               f"{lat['65536']['median'] / olat['put 64 KiB']['median_us']:>10.2f}x")
-        row += "".join(f"{ours['bandwidth'][s]['one_gbps'] / p['bandwidth_gbps'][str(_size_of(s))]:>9.2f}x" for s in sizes)
+        row = (
+            f"  {'  aiohixl advantage':<22}{lat['4096']['median'] / olat['put 4 KiB']['median_us']:>9.2f}x"
+            f"{lat['65536']['median'] / olat['put 64 KiB']['median_us']:>10.2f}x"
+        )
+        row += "".join(
+            f"{ours['bandwidth'][s]['one_gbps'] / p['bandwidth_gbps'][str(_size_of(s))]:>9.2f}x" for s in sizes
+        )
         lines.append(row)
     return lines
 
@@ -392,7 +409,10 @@ def plot(r: Results, path: str) -> None:
 
 def render(r: Results) -> str:
     b = r.baselines
-    lines = [f"aiohixl {aiohixl.__version__} bench  ({r.machine.get('cpus')} CPUs, Python {r.machine.get('python')})", ""]
+    lines = [
+        f"aiohixl {aiohixl.__version__} bench  ({r.machine.get('cpus')} CPUs, Python {r.machine.get('python')})",
+        "",
+    ]
     lines.append("baselines (same run):")
     for size, gbps in b["memcpy_gbps"].items():
         lines.append(f"  memcpy {size:>7}: {gbps:6.2f} GB/s")
@@ -421,12 +441,15 @@ def render(r: Results) -> str:
         lines += render_peers(r)
     if "idle" in r.machine:
         i = r.machine["idle"]
-        lines += ["", f"idle connected agents over {i['seconds']:.0f} s: initiator {i['initiator_pct']:.2f}% "
-                      f"of a core, target {i['target_pct']:.2f}%"]
+        lines += [
+            "",
+            f"idle connected agents over {i['seconds']:.0f} s: initiator {i['initiator_pct']:.2f}% "
+            f"of a core, target {i['target_pct']:.2f}%",
+        ]
     return "\n".join(lines)
 
 
-PEER_RUNS = (
+PEER_RUNS: tuple[tuple[str, str, dict[str, str], str], ...] = (
     # (label, peer, env, the aiohixl transport it is compared with)
     ("nixl (UCX default)", "nixl", {}, "shm-cma"),
     ("nixl UCX_TLS=tcp", "nixl", {"UCX_TLS": "tcp"}, "tcp"),
@@ -441,8 +464,15 @@ def run_peers(plan: Plan, results: Results, progress: Progress) -> None:
     for label, kind, env, ours in PEER_RUNS:
         why = bench_peers.available(kind)
         if why is None:
-            out = bench_peers.run(kind, sizes, list(plan.lat_sizes), plan.lat_ops, plan.bw_seconds, env,
-                                  idle_seconds=min(plan.idle_seconds, 2.0))
+            out = bench_peers.run(
+                kind,
+                sizes,
+                list(plan.lat_sizes),
+                plan.lat_ops,
+                plan.bw_seconds,
+                env,
+                idle_seconds=min(plan.idle_seconds, 2.0),
+            )
         else:
             out = {"error": [why]}
         out["compare_with"] = ours
@@ -462,8 +492,9 @@ def default_transports() -> list[str]:
 async def bench(args: argparse.Namespace) -> Results:
     plan = Plan.make(args.quick, args.full)
     transports = args.transports.split(",") if args.transports else default_transports()
-    results = Results(machine={"cpus": os.cpu_count(), "python": sys.version.split()[0],
-                               "quick": args.quick, "full": args.full})
+    results = Results(
+        machine={"cpus": os.cpu_count(), "python": sys.version.split()[0], "quick": args.quick, "full": args.full}
+    )
     steps = 2 + len(plan.bw_sizes) + len(transports) * (2 * len(plan.lat_sizes) + len(plan.bw_sizes) + 1) + 1
     steps += len(PEER_RUNS) if args.peers else 0
     progress = Progress(steps)
@@ -496,13 +527,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="aiohixl bench", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a smoke run that finishes within a minute")
     p.add_argument("--full", action="store_true", help="also 256 MiB ops")
-    p.add_argument("--transports", default=None,
-                   help="comma-separated: loopback, shm (memfd region), shm-cma (user memory), tcp, verbs"
-                        " (default: all available here)")
+    p.add_argument(
+        "--transports",
+        default=None,
+        help="comma-separated: loopback, shm (memfd region), shm-cma (user memory), tcp, verbs"
+        " (default: all available here)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw bandwidth and latency (needs matplotlib)")
-    p.add_argument("--peers", action="store_true",
-                   help="also run NIXL (nixl-cu12) and Mooncake (mooncake-transfer-engine-non-cuda) when installed")
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="also run NIXL (nixl-cu12) and Mooncake (mooncake-transfer-engine-non-cuda) when installed",
+    )
     p.add_argument("--serve", type=int, metavar="BYTES", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:

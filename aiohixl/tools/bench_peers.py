@@ -76,7 +76,7 @@ def _serve(buf: np.ndarray, hello: dict, on_line: Callable[[str], None] | None =
             return
         if cmd[0] == "hash":
             off, n = int(cmd[1]), int(cmd[2])
-            _say(hashlib.sha256(buf[off : off + n]).hexdigest())
+            _say(hashlib.sha256(buf[off : off + n].tobytes()).hexdigest())
         elif on_line is not None:
             on_line(line)
             _say("ok")
@@ -115,8 +115,9 @@ class _Target(LineChild):
         self.hello = json.loads(self.first)
 
 
-def _measure(write: Callable[[int], None], sizes: list[int], lat_sizes: list[int], ops: int,
-             seconds: float) -> dict[str, Any]:
+def _measure(
+    write: Callable[[int], None], sizes: list[int], lat_sizes: list[int], ops: int, seconds: float
+) -> dict[str, Any]:
     out: dict[str, Any] = {"latency_us": {}, "bandwidth_gbps": {}}
     for size in lat_sizes:
         for _ in range(min(ops, 500)):
@@ -127,8 +128,10 @@ def _measure(write: Callable[[int], None], sizes: list[int], lat_sizes: list[int
             write(size)
             samples.append(time.perf_counter() - t)
         samples.sort()
-        out["latency_us"][str(size)] = {"median": statistics.median(samples) * 1e6,
-                                        "p99": samples[int(len(samples) * 0.99)] * 1e6}
+        out["latency_us"][str(size)] = {
+            "median": statistics.median(samples) * 1e6,
+            "p99": samples[int(len(samples) * 0.99)] * 1e6,
+        }
     for size in sizes:
         write(size)
         n, start = 0, time.perf_counter()
@@ -142,8 +145,9 @@ def _measure(write: Callable[[int], None], sizes: list[int], lat_sizes: list[int
     return out
 
 
-def initiator(kind: str, sizes: list[int], lat_sizes: list[int], ops: int, seconds: float,
-              idle_seconds: float = 2.0) -> dict[str, Any]:
+def initiator(
+    kind: str, sizes: list[int], lat_sizes: list[int], ops: int, seconds: float, idle_seconds: float = 2.0
+) -> dict[str, Any]:
     size = max(sizes + lat_sizes)
     src = _pattern(size)
     target = _Target(kind, size)
@@ -183,7 +187,7 @@ def initiator(kind: str, sizes: list[int], lat_sizes: list[int], ops: int, secon
                     raise RuntimeError(f"mooncake transfer of {n} bytes failed")
 
         result = _measure(write, sizes, lat_sizes, ops, seconds)
-        verified = target.ask(f"hash 0 {size}") == hashlib.sha256(src).hexdigest()
+        verified = target.ask(f"hash 0 {size}") == hashlib.sha256(src.tobytes()).hexdigest()
         result["verified"] = verified
         # What the initiator's process burns while connected and doing nothing.
         cpu0, t0 = time.process_time(), time.perf_counter()
@@ -192,19 +196,40 @@ def initiator(kind: str, sizes: list[int], lat_sizes: list[int], ops: int, secon
         result["settings"] = (
             f"UCX backend, progress thread, prepared handles, polling check_xfer_state, "
             f"UCX_TLS={os.environ.get('UCX_TLS', '(UCX default)')}"
-            if kind == "nixl" else "P2PHANDSHAKE, protocol tcp, transfer_sync_write"
+            if kind == "nixl"
+            else "P2PHANDSHAKE, protocol tcp, transfer_sync_write"
         )
         return result
     finally:
         target.close()
 
 
-def run(kind: str, sizes: list[int], lat_sizes: list[int], ops: int, seconds: float,
-        env: dict[str, str] | None = None, idle_seconds: float = 2.0) -> dict[str, Any]:
+def run(
+    kind: str,
+    sizes: list[int],
+    lat_sizes: list[int],
+    ops: int,
+    seconds: float,
+    env: dict[str, str] | None = None,
+    idle_seconds: float = 2.0,
+) -> dict[str, Any]:
     """Runs the peer in a process of its own (its libraries and env stay out of ours)."""
-    cmd = [sys.executable, "-m", "aiohixl.tools.bench_peers", kind, "--sizes", ",".join(map(str, sizes)),
-           "--lat-sizes", ",".join(map(str, lat_sizes)), "--ops", str(ops), "--seconds", str(seconds),
-           "--idle", str(idle_seconds)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aiohixl.tools.bench_peers",
+        kind,
+        "--sizes",
+        ",".join(map(str, sizes)),
+        "--lat-sizes",
+        ",".join(map(str, lat_sizes)),
+        "--ops",
+        str(ops),
+        "--seconds",
+        str(seconds),
+        "--idle",
+        str(idle_seconds),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:

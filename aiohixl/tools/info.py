@@ -38,15 +38,15 @@ def rdma_devices() -> list[tuple[str, list[str]]]:
     return out
 
 
-
-
 def _shm_status() -> TransportStatus:
     if not hasattr(os, "memfd_create"):
         return TransportStatus("shm", False, "no memfd_create on this system")
     scope = read_text("/proc/sys/kernel/yama/ptrace_scope")
-    cma = {"": "cross-memory attach allowed (no Yama)", "0": "cross-memory attach allowed (ptrace_scope 0)",
-           "1": "cross-memory attach only to descendants (ptrace_scope 1): user memory goes over tcp",
-           }.get(scope, f"cross-memory attach restricted (ptrace_scope {scope}): user memory goes over tcp")
+    cma = {
+        "": "cross-memory attach allowed (no Yama)",
+        "0": "cross-memory attach allowed (ptrace_scope 0)",
+        "1": "cross-memory attach only to descendants (ptrace_scope 1): user memory goes over tcp",
+    }.get(scope, f"cross-memory attach restricted (ptrace_scope {scope}): user memory goes over tcp")
     return TransportStatus("shm", True, f"same host: memfd regions mapped; {cma}")
 
 
@@ -64,7 +64,9 @@ def _verbs_status() -> TransportStatus:
     except ValueError as exc:
         return TransportStatus("verbs", False, str(exc))
     return TransportStatus(
-        "verbs", True, f"{choice.device} port {choice.port} GID[{choice.gid_index}] {choice.gid} {choice.gid_type}".strip()
+        "verbs",
+        True,
+        f"{choice.device} port {choice.port} GID[{choice.gid_index}] {choice.gid} {choice.gid_type}".strip(),
     )
 
 

@@ -68,7 +68,9 @@ class ControlView(Protocol):
     @property
     def label(self) -> str: ...
 
-    async def region_info(self, region_id: int, what: str) -> RegionInfo | None: ...
+    async def region_info(self, info: RegionInfo, what: str) -> RegionInfo | None:
+        """The peer's own word on the region ``info`` names (its id and key), or None."""
+        ...
 
     async def send(self, frame: bytes) -> None: ...
 
@@ -199,6 +201,7 @@ class Link:
             sges.local_off = ls.offset
             sges.remote_off = rs.offset
             sges.len = rs.nbytes
+            sges.remote_key = rs.region.key
             return sges
         sges = ffi.new("hx_sge[]", len(group))
         for sge, (rs, ls) in zip(sges, group, strict=True):
@@ -207,6 +210,7 @@ class Link:
             sge.local_off = ls.offset
             sge.remote_off = rs.offset
             sge.len = rs.nbytes
+            sge.remote_key = rs.region.key
         return sges
 
     def note(self, engine: Engine, data: bytes, dep: int, what: str, owner: OpOwner) -> Any:

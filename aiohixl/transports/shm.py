@@ -10,6 +10,7 @@ region reachable neither way falls back to the next link (verbs, tcp).
 
 from __future__ import annotations
 
+import hmac
 import os
 import socket
 import struct
@@ -26,11 +27,14 @@ from ..errors import HixlError
 from ..memory import Access
 from .base import AgentView, ControlView, Dial, Link, ListenerView, Transport
 
-# The unix socket that hands out memfds: request region u32 + session[16],
-# answer status u8 + size u64 (+ the fd when status is FD_OK).
-_FD_REQUEST = struct.Struct("<I16s")
+# The unix socket that hands out memfds: request region u32 + key u64 +
+# session[16], answer status u8 + size u64 (+ the fd when status is FD_OK).
+_FD_REQUEST = struct.Struct("<IQ16s")
 _FD_ANSWER = struct.Struct("<BQ")
 FD_OK, FD_UNKNOWN, FD_ACCESS, FD_REFUSED = 0, 1, 2, 3
+# A connection must name a live session this soon; one process may hold this many.
+HANDSHAKE_TIMEOUT = 5.0
+MAX_PER_PID = 8
 
 
 class ShmLink(Link):
@@ -50,11 +54,11 @@ class ShmLink(Link):
         rid = info.region_id
         # The target's own word on the region, never the caller's descriptor:
         # a forged size or address must not reach a copy into its memory.
-        own = await control.region_info(rid, what)
+        own = await control.region_info(info, what)
         if own is None:
             return None
         if own.kind == "memfd" and self._uds is not None:
-            fd = await self._fetch_fd(rid)
+            fd = await self._fetch_fd(rid, own.key)
             if fd is not None:
                 try:
                     rc = lib.hx_shm_map(self.handle, rid, fd, own.nbytes, int(own.access))
@@ -67,10 +71,10 @@ class ShmLink(Link):
             return "shm-cma"
         return None
 
-    async def _fetch_fd(self, rid: int) -> int | None:
+    async def _fetch_fd(self, rid: int, key: int) -> int | None:
         async with self._uds_lock:
             try:
-                await self._uds.send(_FD_REQUEST.pack(rid, self._session))
+                await self._uds.send(_FD_REQUEST.pack(rid, key, self._session))
                 msg, fds = await self._uds.receive_fds(_FD_ANSWER.size, 1)
             except (*c.STREAM_ERRORS, ValueError):
                 return None
@@ -106,6 +110,7 @@ class ShmTransport(Transport):
         self._probe = ffi.new("uint8_t[16]", agent.id)
         self._socket_name = ""
         self._unix: Any = None
+        self._per_pid: dict[int, int] = {}
 
     def advertise(self, me: Identity) -> None:
         me.probe = int(ffi.cast("uintptr_t", self._probe))
@@ -127,7 +132,13 @@ class ShmTransport(Transport):
             c.log.warning("aiohixl %s: no memfd sharing (unix socket: %s)", listener.address, exc)
             return
         self._socket_name = name
-        start_soon(self._unix.serve, lambda stream: self._hand_out_fds(stream, listener))
+        start_soon(
+            c.accept_forever,
+            self._unix,
+            lambda stream: self._hand_out_fds(stream, listener),
+            start_soon,
+            f"{listener.address} (memfd socket)",
+        )
 
     async def stop_serving(self) -> None:
         if self._unix is not None:
@@ -135,18 +146,37 @@ class ShmTransport(Transport):
                 await self._unix.aclose()
 
     async def _hand_out_fds(self, stream: Any, listener: ListenerView) -> None:
-        """Hands memfds to the authenticated, same-host process that asks."""
+        """Hands memfds to the authenticated, same-host process that asks.
+
+        The peer's credentials are checked before anything is read: only this
+        uid, at most MAX_PER_PID connections per process, and a first request
+        naming a live session within HANDSHAKE_TIMEOUT. After that the
+        connection lives as long as that session.
+        """
+        pid = 0
         try:
             sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
             pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != os.getuid() or self._per_pid.get(pid, 0) >= MAX_PER_PID:
+                pid = 0
+                return
+            self._per_pid[pid] = self._per_pid.get(pid, 0) + 1
+            bound: bytes | None = None
             while True:
-                request = await _receive_exactly(stream, _FD_REQUEST.size)
-                region_id, sid = _FD_REQUEST.unpack(request)
-                session = listener.session(sid)
-                if session is None or session.info.pid != pid or uid != os.getuid():
+                with anyio.fail_after(HANDSHAKE_TIMEOUT if bound is None else None):
+                    request = await _receive_exactly(stream, _FD_REQUEST.size)
+                region_id, key, sid = _FD_REQUEST.unpack(request)
+                if bound is not None and sid != bound:
                     await stream.send(_FD_ANSWER.pack(FD_REFUSED, 0))
                     return
+                session = listener.session(sid)
+                if session is None or session.info.pid != pid:
+                    await stream.send(_FD_ANSWER.pack(FD_REFUSED, 0))
+                    return
+                bound = sid
                 region = self.agent.live_region(region_id)
+                if region is not None and not hmac.compare_digest(_key_bytes(region.key), _key_bytes(key)):
+                    region = None  # a guessed id is no region at all
                 if region is None or region.pinned.fd is None:
                     await stream.send(_FD_ANSWER.pack(FD_UNKNOWN, 0))
                     continue
@@ -160,11 +190,16 @@ class ShmTransport(Transport):
                     await stream.send_fds(_FD_ANSWER.pack(FD_OK, region.nbytes), [fd])
                 finally:
                     os.close(fd)
-        except (HixlError, *c.STREAM_ERRORS, struct.error):
+        except (HixlError, TimeoutError, *c.STREAM_ERRORS, struct.error):
             pass
         except Exception:
             c.log.exception("aiohixl %s: fd request handler failed", listener.address)
         finally:
+            if pid:
+                if self._per_pid.get(pid, 0) <= 1:
+                    self._per_pid.pop(pid, None)
+                else:
+                    self._per_pid[pid] -= 1
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
 
@@ -205,6 +240,10 @@ class ShmTransport(Transport):
         if reasons:
             c.log.info("aiohixl %s: shared memory with fallbacks: %s", what, "; ".join(reasons))
         return ShmLink(handle, uds, cma, info.session)
+
+
+def _key_bytes(key: int) -> bytes:
+    return key.to_bytes(8, "little")
 
 
 async def _receive_exactly(stream: Any, n: int) -> bytes:
