@@ -39,6 +39,8 @@ def test_bench_quick_writes_json(tmp_path):
         assert all(v > 0 for v in b["process_vm_writev_gbps"].values())
         assert b["process_vm_writev_threaded_gbps"]["16 MiB"] > 0
     assert 0 < b["tcp_stream_gbps"] < 1000
+    for how in ("blocking", "polling"):
+        assert 0 < b["tcp_stream"][how]["whole"] and 0 < b["tcp_stream"][how]["best"] <= b["tcp_stream_gbps"]
     for key in ("tcp_rtt_us", "tcp_rtt_spin_us"):
         rtt = b[key]
         assert 0 < rtt["median"] <= rtt["p99"] and rtt["ops"] >= 100

@@ -455,7 +455,7 @@ done:
 
 /* ---------- tcp ---------- */
 
-int hb_tcp_stream(uint64_t write_size, double seconds, hb_stream_result *out)
+int hb_tcp_stream(uint64_t write_size, int spin, double seconds, hb_stream_result *out)
 {
     memset(out, 0, sizeof *out);
     uint16_t port;
@@ -465,10 +465,12 @@ int hb_tcp_stream(uint64_t write_size, double seconds, hb_stream_result *out)
         out->where = "listen";
         return -1;
     }
+    double interval = seconds / 5;
+    interval = interval < 0.05 ? 0.05 : interval > 0.2 ? 0.2 : interval;
     pid_t pid = fork_child();
     if (pid == 0) {
         /* The receiver: reads write_size at a time until the end of the
-         * stream, then says how much it read. */
+         * stream, timing what arrives per interval, then reports. */
         int fd = accept(ls, NULL, NULL);
         if (fd < 0)
             _exit(1);
@@ -477,17 +479,42 @@ int hb_tcp_stream(uint64_t write_size, double seconds, hb_stream_result *out)
                          -1, 0);
         if (buf == MAP_FAILED)
             _exit(1);
-        uint64_t total = 0;
+        double rate[MAX_BATCHES];
+        int nrate = 0, reads = 0;
+        uint64_t total = 0, mark_bytes = 0;
+        double mark = 0;
         for (;;) {
-            ssize_t n = recv(fd, buf, write_size, 0);
-            if (n > 0)
+            ssize_t n = recv(fd, buf, write_size, spin ? MSG_DONTWAIT : 0);
+            if (n > 0) {
+                if (total == 0)
+                    mark = now();
                 total += (uint64_t)n;
-            else if (n == 0)
+                if (++reads % 16 == 0) {
+                    double t = now();
+                    if (t - mark >= interval && nrate < MAX_BATCHES) {
+                        rate[nrate++] = (double)(total - mark_bytes) / (t - mark) / 1e9;
+                        mark = t;
+                        mark_bytes = total;
+                    }
+                }
+            } else if (n == 0) {
                 break;
-            else if (errno != EINTR)
+            } else if (errno == EAGAIN && spin) {
+                sched_yield();
+            } else if (errno != EINTR) {
                 _exit(1);
+            }
         }
-        if (send_all(fd, &total, sizeof total, 0) < 0)
+        /* Leave out the first interval (slow start, buffers filling). */
+        double report[4] = {(double)total, 0, 0, 0};
+        if (nrate > 1) {
+            qsort(rate + 1, (size_t)(nrate - 1), sizeof rate[0], cmp_double);
+            int m = nrate - 1;
+            report[1] = rate[nrate - 1];
+            report[2] = m % 2 ? rate[1 + m / 2] : (rate[m / 2] + rate[1 + m / 2]) / 2;
+            report[3] = m;
+        }
+        if (send_all(fd, report, sizeof report, 0) < 0)
             _exit(1);
         _exit(0);
     }
@@ -513,11 +540,12 @@ int hb_tcp_stream(uint64_t write_size, double seconds, hb_stream_result *out)
         goto done;
     }
     /* Like iperf3: the clock starts at the first write, slow start included. */
-    uint64_t sent = 0, theirs = 0;
+    uint64_t sent = 0;
+    double theirs[4];
     double t0 = now(), t1;
     do {
         for (int i = 0; i < 16; i++) {
-            if (send_all(fd, buf, write_size, 0) < 0) {
+            if (send_all(fd, buf, write_size, spin) < 0) {
                 out->err = errno;
                 out->where = "send";
                 goto done;
@@ -526,13 +554,13 @@ int hb_tcp_stream(uint64_t write_size, double seconds, hb_stream_result *out)
         sent += 16 * write_size;
     } while (now() - t0 < seconds);
     shutdown(fd, SHUT_WR);
-    if (recv_all(fd, &theirs, sizeof theirs, 0) != 1) {
+    if (recv_all(fd, theirs, sizeof theirs, 0) != 1) {
         out->err = errno ? errno : EPIPE;
         out->where = "receiver";
         goto done;
     }
     t1 = now(); /* the receiver has read every byte */
-    if (theirs != sent) {
+    if ((uint64_t)theirs[0] != sent) {
         out->err = EPROTO;
         out->where = "receiver count";
         goto done;
@@ -540,6 +568,9 @@ int hb_tcp_stream(uint64_t write_size, double seconds, hb_stream_result *out)
     out->bytes = sent;
     out->seconds = t1 - t0;
     out->gbps = (double)sent / (t1 - t0) / 1e9;
+    out->best_gbps = theirs[1];
+    out->median_gbps = theirs[2];
+    out->intervals = (int)theirs[3];
     rc = 0;
 done:
     close(fd);

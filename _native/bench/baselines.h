@@ -23,7 +23,10 @@ typedef struct {
 } hb_copy_result;
 
 typedef struct {
-    double gbps;     /* bytes the receiver read / time until it had them all */
+    double gbps;        /* the whole run: bytes sent / time until the receiver had them all */
+    double best_gbps;   /* the receiver's fastest interval (the first, slow start, left out) */
+    double median_gbps; /* the receiver's median interval */
+    int intervals;      /* intervals the two above are taken from */
     double seconds;
     uint64_t bytes;
     int err;
@@ -51,8 +54,11 @@ int hb_process_vm_writev(uint64_t size, int threads, uint64_t min_piece, double 
                          hb_copy_result *out);
 
 /* One tcp stream over 127.0.0.1 from this process to a forked receiver:
- * write_size-byte writes and reads, the kernel's default socket buffers. */
-int hb_tcp_stream(uint64_t write_size, double seconds, hb_stream_result *out);
+ * write_size-byte writes and reads, the kernel's default socket buffers. The
+ * receiver also times intervals of about a fifth of the run (50-200 ms).
+ * spin = 0 blocks in send and recv, as iperf3 does; spin = 1 polls on both
+ * ends (MSG_DONTWAIT, sched_yield), as aiohixl's tcp I/O threads do. */
+int hb_tcp_stream(uint64_t write_size, int spin, double seconds, hb_stream_result *out);
 
 /* Round trips to a forked child over 127.0.0.1 (TCP_NODELAY): `request`
  * bytes out, 1 byte back. spin = 0 blocks in recv; spin = 1 polls with

@@ -348,7 +348,9 @@ FLAG = "(!) above the physical limit: check the baseline"
 
 
 def _flag(x: float) -> str:
-    return f"{x:.2f}x" + (" (!)" if x > baselines.FLAG_ABOVE else "")
+    if x <= baselines.FLAG_ABOVE:
+        return f"{x:.2f}x"
+    return (f"{x:.3f}x" if round(x, 2) <= baselines.FLAG_ABOVE else f"{x:.2f}x") + " (!)"
 
 
 def render_baselines(b: dict[str, Any]) -> list[str]:
@@ -364,23 +366,25 @@ def render_baselines(b: dict[str, Any]) -> list[str]:
                      f"{num(b['process_vm_writev_threaded_gbps'].get(size), 6)}")
     lines.append(f"  (x{t}: each copy cut as the copy engine cuts a put, over its {t - 1} threads and the caller,"
                  f" >= {b['copy_piece_min'] // MiB} MiB a share; - : one share, as above)")
-    stream = b.get("tcp_stream_gbps")
-    lines.append(f"  tcp stream (2 processes, {b['tcp_stream_write_bytes'] // KiB} KiB writes, default buffers): "
-                 + (f"{stream:.2f} GB/s" if stream else "not measured"))
+    for how, v in b["tcp_stream"].items():
+        label = f"  tcp stream, 2 processes, {how}" + (f", {_fmt_size(v['write_bytes'])} writes:" if v else ":")
+        lines.append(label.ljust(52) + (f"{v['best']:6.2f} GB/s fastest interval, {v['whole']:.2f} whole run"
+                                        if v else "not measured"))
     ip = b.get("iperf3")
     if ip is None:
         lines.append("  iperf3: not installed (apt-get install iperf3 to cross-check the tcp stream)")
     elif "error" in ip:
         lines.append(f"  iperf3: {ip['error']}")
     else:
-        line = f"  iperf3 {ip.get('version', '').replace('iperf ', '')} single stream:".ljust(62) + f"{ip['gbps']:.2f} GB/s"
+        line = f"  iperf3 {ip.get('version', '').replace('iperf ', '')} single stream:".ljust(52)
+        line += f"{ip['gbps']:6.2f} GB/s whole run"
         if "agrees" in ip:
-            line += (f"  (native / iperf3 = {ip['native_over_iperf3']:.2f}: "
+            line += (f"  (blocking / iperf3 = {ip['native_over_iperf3']:.2f}: "
                      + ("agree within 20%)" if ip["agrees"] else "differ by more than 20%: the baseline is suspect)"))
         lines.append(line)
     for key, how in (("tcp_rtt_us", "blocking"), ("tcp_rtt_spin_us", "polling")):
         v = b.get(key)
-        lines.append(f"  tcp round trip, {b['tcp_rtt_request_bytes'] // KiB} KiB + 1-byte reply ({how}):".ljust(44)
+        lines.append(f"  tcp round trip, {b['tcp_rtt_request_bytes'] // KiB} KiB + 1-byte reply, {how}:".ljust(52)
                      + (f"{v['median']:7.1f} us median {v['p99']:8.1f} us p99" if v else "not measured"))
     for key, why in b.get("errors", {}).items():
         lines.append(f"  {key}: not measured: {why}")
