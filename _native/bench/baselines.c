@@ -42,13 +42,38 @@ static int cmp_double(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-static void *map_warm(uint64_t size, int fill)
+#define HUGE_PAGE (2u << 20)
+
+static uint64_t map_len(uint64_t size)
 {
-    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return (size + HUGE_PAGE - 1) & ~(uint64_t)(HUGE_PAGE - 1);
+}
+
+/* A mapping of `size` bytes (rounded up to 2 MiB, 2 MiB-aligned, transparent
+ * huge pages asked for: the best case a page table gives a copy, as numpy's
+ * large arrays get), every page faulted in. Only system calls and memset:
+ * usable in a forked child. */
+static void *map_buf(uint64_t size, int fill)
+{
+    uint64_t len = map_len(size);
+    uint8_t *p = mmap(NULL, len + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                      -1, 0);
     if (p == MAP_FAILED)
         return NULL;
-    memset(p, fill, size); /* every page faulted in before anything is timed */
-    return p;
+    uint8_t *a = (uint8_t *)(((uintptr_t)p + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+    if (a > p)
+        munmap(p, (size_t)(a - p));
+    if (p + len + HUGE_PAGE > a + len)
+        munmap(a + len, (size_t)(p + len + HUGE_PAGE - (a + len)));
+    madvise(a, len, MADV_HUGEPAGE); /* advice: without THP, plain pages */
+    memset(a, fill, len); /* every page faulted in before anything is timed */
+    return a;
+}
+
+static void unmap_buf(void *p, uint64_t size)
+{
+    if (p)
+        munmap(p, map_len(size));
 }
 
 /* ---------- children ---------- */
@@ -361,7 +386,7 @@ int hb_memcpy(uint64_t size, int threads, uint64_t min_piece, double seconds, hb
 {
     memset(out, 0, sizeof *out);
     copier c = {.kind = KIND_MEMCPY, .size = size};
-    uint8_t *src = map_warm(size, 0x5a), *dst = map_warm(size, 0);
+    uint8_t *src = map_buf(size, 0x5a), *dst = map_buf(size, 0);
     int rc = -1;
     if (!src || !dst) {
         out->err = errno;
@@ -373,10 +398,8 @@ int hb_memcpy(uint64_t size, int threads, uint64_t min_piece, double seconds, hb
     copy_cut(&c, threads, min_piece);
     rc = copy_run(&c, seconds, out);
 done:
-    if (src)
-        munmap(src, size);
-    if (dst)
-        munmap(dst, size);
+    unmap_buf(src, size);
+    unmap_buf(dst, size);
     return rc;
 }
 
@@ -403,11 +426,7 @@ int hb_process_vm_writev(uint64_t size, int threads, uint64_t min_piece, double 
          * nothing until the parent closes `down`. */
         close(up[0]);
         close(down[1]);
-        void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (p == MAP_FAILED)
-            p = NULL;
-        else
-            memset(p, 0, size);
+        void *p = map_buf(size, 0);
         if (write(up[1], &p, sizeof p) != (ssize_t)sizeof p)
             _exit(1);
         char ch;
@@ -435,7 +454,7 @@ int hb_process_vm_writev(uint64_t size, int threads, uint64_t min_piece, double 
         out->where = "target process";
         goto done;
     }
-    src = map_warm(size, 0x5a);
+    src = map_buf(size, 0x5a);
     if (!src) {
         out->err = errno;
         out->where = "mmap";
@@ -448,8 +467,7 @@ done:
     close(up[0]);
     close(down[1]); /* the child's read returns 0: it exits */
     reap(pid);
-    if (src)
-        munmap(src, size);
+    unmap_buf(src, size);
     return rc;
 }
 
@@ -475,9 +493,8 @@ int hb_tcp_stream(uint64_t write_size, int spin, double seconds, hb_stream_resul
         if (fd < 0)
             _exit(1);
         close(ls);
-        void *buf = mmap(NULL, write_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                         -1, 0);
-        if (buf == MAP_FAILED)
+        void *buf = map_buf(write_size, 0);
+        if (!buf)
             _exit(1);
         double rate[MAX_BATCHES];
         int nrate = 0, reads = 0;
@@ -533,7 +550,7 @@ int hb_tcp_stream(uint64_t write_size, int spin, double seconds, hb_stream_resul
         reap(pid);
         return -1;
     }
-    buf = map_warm(write_size, 0x5a);
+    buf = map_buf(write_size, 0x5a);
     if (!buf) {
         out->err = errno;
         out->where = "mmap";
@@ -579,8 +596,7 @@ done:
         out->where = "receiver exit";
         rc = -1;
     }
-    if (buf)
-        munmap(buf, write_size);
+    unmap_buf(buf, write_size);
     return rc;
 }
 
@@ -602,9 +618,8 @@ int hb_tcp_rtt(uint32_t request, int spin, double seconds, hb_rtt_result *out)
             _exit(1);
         close(ls);
         nodelay(fd);
-        void *buf = mmap(NULL, request, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                         -1, 0);
-        if (buf == MAP_FAILED)
+        void *buf = map_buf(request, 0);
+        if (!buf)
             _exit(1);
         char k = 'k';
         for (;;) {
@@ -632,7 +647,7 @@ int hb_tcp_rtt(uint32_t request, int spin, double seconds, hb_rtt_result *out)
         return -1;
     }
     nodelay(fd);
-    buf = map_warm(request, 0x5a);
+    buf = map_buf(request, 0x5a);
     samples = malloc(RTT_MAX_SAMPLES * sizeof *samples);
     if (!buf || !samples) {
         out->err = ENOMEM;
@@ -672,8 +687,7 @@ done:
         out->where = "responder exit";
         rc = -1;
     }
-    if (buf)
-        munmap(buf, request);
+    unmap_buf(buf, request);
     free(samples);
     return rc;
 }

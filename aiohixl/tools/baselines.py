@@ -4,7 +4,9 @@ The timing loops are C (``aiohixl.tools._baselines``, built from
 ``_native/bench/``), so what is measured is the machine, not the Python that
 drives it:
 
-- ``memcpy``: one thread, warm page-aligned buffers, per size.
+- ``memcpy``: one thread, per size, between warm buffers that are 2 MiB-aligned
+  with transparent huge pages asked for (the best case a page table gives a
+  copy; numpy's large arrays get them too).
 - ``memcpy`` threaded: each copy cut as aiohixl's copy engine cuts a large op
   (one share for each of its threads and the calling thread, at least 1 MiB
   a share), the threads meeting after every copy, as a put completes when its
