@@ -54,7 +54,11 @@ def test_bench_quick_writes_json(tmp_path):
     for name, t in data["transports"].items():
         for size, row in t["bandwidth"].items():
             assert isinstance(row["limit"]["above_limit"], bool)
-            want = "tcp_stream_gbps" if name == "tcp" else "memcpy_threaded_gbps" if size == "16 MiB" else "memcpy_gbps"
-            assert row["limit"]["baseline"] == want
+            if name == "tcp":
+                assert row["limit"]["baseline"] == "tcp_stream_gbps"
+            elif size == "16 MiB":  # shared by the copy threads: the faster of threaded and single
+                assert row["limit"]["baseline"] in ("memcpy_threaded_gbps", "memcpy_gbps")
+            else:
+                assert row["limit"]["baseline"] == "memcpy_gbps"
     assert isinstance(data["transports"]["tcp"]["latency"]["put 4 KiB"]["limit"]["above_limit"], bool)
     assert isinstance(data["machine"]["above_physical_limit"], int)
