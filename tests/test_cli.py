@@ -29,6 +29,7 @@ def test_bench_quick_writes_json(tmp_path):
     # their relative sizes: the machine running the tests is busy.
     b = data["baselines"]
     assert b["native"] is True and b["copy_threads"] >= 2
+    assert len(b["passes"]) == 2  # before and after the transports; the limits are the better of the two
     sizes = {"64 KiB", "1 MiB", "16 MiB"}
     assert set(b["memcpy_gbps"]) == sizes and all(v > 0 for v in b["memcpy_gbps"].values())
     assert set(b["memcpy_threaded_gbps"]) == {"16 MiB"} and b["memcpy_threaded_gbps"]["16 MiB"] > 0
