@@ -1,5 +1,6 @@
 """The command line: info and a bench smoke run, as a user runs them."""
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -15,12 +16,15 @@ def test_info_reports_transports_and_reasons():
 
 
 def test_bench_quick_writes_json(tmp_path):
-    path = tmp_path / "bench.json"
+    path, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     proc = subprocess.run(
-        [sys.executable, "-m", "aiohixl", "bench", "--quick", "--transports", "loopback,tcp", "--json", str(path)],
+        [sys.executable, "-m", "aiohixl", "bench", "--quick", "--transports", "loopback,tcp", "--json", str(path)]
+        + (["--plot", str(png)] if has_matplotlib else []),
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
+    assert png.exists() == has_matplotlib
     data = json.loads(path.read_text())
     assert set(data["transports"]) == {"loopback", "tcp"}
     assert "vs its physical limit" in proc.stdout and "physical-limit check" in proc.stdout

@@ -281,11 +281,12 @@ def plot(r: Results, path: str) -> None:
     b = r.baselines
     sizes = list(b["memcpy_gbps"])
     xs = [_size_of(s) for s in sizes]
-    for key, style in (("memcpy", "k--"), ("process_vm_writev", "k-.")):
-        # Each size against the limit the copy engine meets at it: one thread or all of them.
-        ys = [b[f"{key}_threaded_gbps"].get(s) or b[f"{key}_gbps"].get(s) for s in sizes]
+    for kind, key, style in (("shm-memfd", "memcpy", "k--"), ("shm-cma", "process_vm_writev", "k-.")):
+        # Each size's limit, as the ratios use it: one thread, or the faster
+        # of one and all where the copy engine shares the copy.
+        ys = [(baselines.copy_limit(b, kind, s, x) or (None, None))[1] for s, x in zip(sizes, xs)]
         if any(ys):
-            bw.plot(xs, [y or float("nan") for y in ys], style, label=f"{key} (baseline, x{b['copy_threads']} where shared)")
+            bw.plot(xs, [y or float("nan") for y in ys], style, label=f"{key} (baseline, the limit at each size)")
     if b.get("tcp_stream_gbps"):
         bw.axhline(b["tcp_stream_gbps"], color="grey", linestyle=":", label="tcp stream (baseline)")
     names, values = [], []
