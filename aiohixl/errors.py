@@ -99,5 +99,7 @@ class TransferTimeout(TransferError, TimeoutError):
 
 class NotificationTimeout(HixlError, TimeoutError):
     """Agent.notification(timeout=...) saw no (matching) notification in time."""
+
+
 class WrongEventLoop(HixlError, RuntimeError):
     """The agent was used from an event loop or thread other than the one that started it."""

@@ -1,0 +1,305 @@
+"""The bench's baselines: physical limits measured natively, in the same run.
+
+The timing loops are C (``aiohixl.tools._baselines``, built from
+``_native/bench/``), so what is measured is the machine, not the Python that
+drives it:
+
+- ``memcpy``: one thread, per size, between warm buffers that are 2 MiB-aligned
+  with transparent huge pages asked for (the best case a page table gives a
+  copy; numpy's large arrays get them too).
+- ``memcpy`` threaded: each copy cut as aiohixl's copy engine cuts a large op
+  (one share for each of its threads and the calling thread, at least 1 MiB
+  a share), the threads meeting after every copy, as a put completes when its
+  last piece does. The honest limit of a threaded put.
+- ``process_vm_writev``: the same two, into a buffer of another process (the
+  limit of the cross-memory-attach path, ``shm-cma``).
+- tcp stream: one connection over 127.0.0.1 between two processes, the
+  kernel's default socket buffers; once blocking in send and recv with 128 KiB
+  writes and reads (iperf3's way), once polling on both ends with 1 MiB
+  writes (aiohixl's tcp I/O threads poll while active and send 1 MiB
+  chunks). The receiver times intervals of 50-200 ms; the limit is the
+  fastest interval after the first, of either. With ``iperf3`` installed it
+  runs too, and its whole run is compared with the blocking stream's.
+- tcp round trip: 4 KiB out, 1 byte back, TCP_NODELAY, between two processes;
+  once blocking in recv and once polling on both ends (as aiohixl's tcp I/O
+  threads poll while active). The faster of the two is the limit.
+
+Copy rates are GB/s (1e9 bytes/s) over batches of whole copies (at least
+1 ms, at least five of them), the clock read only between batches. The
+figure a result is divided by is the fastest batch, the limit the machine
+showed; the median batch is kept beside it ("medians"). The bench measures
+every baseline twice, before and after aiohixl's transports, and divides by
+the better pass (``combine``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+KiB, MiB = 1 << 10, 1 << 20
+
+# How aiohixl's copy engine cuts a copy (_native/copy.c, hx_copy_post): one
+# share for each of Agent(copy_threads=None)'s threads (min(4, CPUs)) and the
+# calling thread, at least HX_COPY_PIECE_MIN (_native/internal.h) a share.
+COPY_THREADS = min(4, os.cpu_count() or 1) + 1
+COPY_PIECE_MIN = 1 * MiB
+STREAM_WRITE = 128 * KiB  # iperf3's default
+STREAM_WRITE_POLLING = 1 * MiB  # HX_TCP_CHUNK, _native/tcp.c
+RTT_REQUEST = 4 * KiB
+# A result faster than a physical limit of its kind by more than this is
+# flagged: the baseline, not aiohixl, is what is likely wrong.
+FLAG_ABOVE = 1.05
+IPERF3_TOLERANCE = 0.20
+
+
+def _native() -> Any:
+    try:
+        return importlib.import_module("aiohixl.tools._baselines")
+    except ImportError as exc:  # an install from before the module existed
+        raise SystemExit(
+            f"the bench's native baselines are not built ({exc}): reinstall aiohixl (pip install -e .)"
+        ) from exc
+
+
+def pieces(size: int, threads: int = COPY_THREADS) -> int:
+    """How many threads share a copy of `size` bytes in aiohixl's copy engine."""
+    piece = max(size // max(threads, 1) + 1, COPY_PIECE_MIN)
+    piece = (piece + 4095) & ~4095
+    return -(-size // piece)
+
+
+def _error(res: Any, ffi: Any, what: str) -> str:
+    where = ffi.string(res.where).decode() if res.where != ffi.NULL else "?"
+    return f"{what}: {where}: {os.strerror(res.err) if res.err else 'failed'}"
+
+
+def copy_gbps(kind: str, size: int, threads: int, seconds: float) -> tuple[float, float]:
+    """(fastest, median) batch rate. kind: "memcpy" or "process_vm_writev";
+    threads=1 copies on one thread."""
+    m = _native()
+    res = m.ffi.new("hb_copy_result *")
+    fn = m.lib.hb_memcpy if kind == "memcpy" else m.lib.hb_process_vm_writev
+    if fn(size, threads, COPY_PIECE_MIN, seconds, res) != 0:
+        raise OSError(res.err, _error(res, m.ffi, kind))
+    return res.best_gbps, res.gbps
+
+
+def tcp_stream(seconds: float, spin: bool = False, write_size: int = STREAM_WRITE) -> dict[str, float]:
+    """whole: the run, as iperf3 counts it; best and median: the receiver's
+    intervals after the first."""
+    m = _native()
+    res = m.ffi.new("hb_stream_result *")
+    if m.lib.hb_tcp_stream(write_size, int(spin), seconds, res) != 0:
+        raise OSError(res.err, _error(res, m.ffi, "tcp stream"))
+    if res.intervals < 1:  # too short to cut: the whole run is all there is
+        return {"whole": res.gbps, "best": res.gbps, "median": res.gbps}
+    return {"whole": res.gbps, "best": res.best_gbps, "median": res.median_gbps}
+
+
+def tcp_rtt_us(seconds: float, spin: bool, request: int = RTT_REQUEST) -> dict[str, float]:
+    m = _native()
+    res = m.ffi.new("hb_rtt_result *")
+    if m.lib.hb_tcp_rtt(request, int(spin), seconds, res) != 0:
+        raise OSError(res.err, _error(res, m.ffi, "tcp round trip"))
+    return {"median": res.median_us, "p99": res.p99_us, "mean": res.mean_us, "ops": res.ops}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def iperf3(seconds: int = 1) -> dict[str, Any] | None:
+    """iperf3's single stream over loopback, or None when it is not installed."""
+    exe = shutil.which("iperf3")
+    if exe is None:
+        return None
+    port = _free_port()
+    server = subprocess.Popen([exe, "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        data: dict[str, Any] = {}
+        deadline = time.monotonic() + 5
+        while True:  # until the server listens: a refused connect leaves it waiting
+            proc = subprocess.run(
+                [exe, "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds), "-J"],
+                capture_output=True,
+                text=True,
+                timeout=seconds + 30,
+            )
+            try:
+                data = json.loads(proc.stdout)
+            except ValueError:
+                data = {"error": (proc.stderr or proc.stdout or "no output").strip()[:200]}
+            if "error" not in data or "connect" not in data["error"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if "error" in data:
+            return {"error": f"iperf3: {data['error']}"}
+        return {
+            "gbps": data["end"]["sum_received"]["bits_per_second"] / 8e9,
+            "version": data.get("start", {}).get("version", ""),
+        }
+    except (OSError, subprocess.TimeoutExpired, KeyError) as exc:
+        return {"error": f"iperf3: {type(exc).__name__}: {exc}"}
+    finally:
+        try:
+            server.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def measure(
+    sizes: list[int],
+    fmt: Callable[[int], str],
+    copy_seconds: float,
+    stream_seconds: float,
+    rtt_seconds: float,
+    step: Callable[[str], None] = lambda label: None,
+    with_iperf3: bool = True,
+) -> dict[str, Any]:
+    """One pass over every baseline. A measurement that fails here
+    (process_vm_writev where ptrace is refused) is None, with the reason under
+    "errors"."""
+    out: dict[str, Any] = {
+        "native": True,
+        "copy_threads": COPY_THREADS,
+        "copy_piece_min": COPY_PIECE_MIN,
+        "memcpy_gbps": {},
+        "memcpy_threaded_gbps": {},
+        "process_vm_writev_gbps": {},
+        "process_vm_writev_threaded_gbps": {},
+        "medians": {},
+        "errors": {},
+    }
+
+    def attempt(key: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except OSError as exc:
+            out["errors"][key] = str(exc.strerror or exc)
+            return None
+
+    def copies(key: str, label: str, what: str, fn: Callable[[], tuple[float, float]]) -> None:
+        got = attempt(what, fn)
+        out[key][label] = got[0] if got else None
+        out["medians"].setdefault(key, {})[label] = got[1] if got else None
+
+    for kind in ("memcpy", "process_vm_writev"):
+        for size in sizes:
+            label = fmt(size)
+            copies(f"{kind}_gbps", label, f"{kind} {label}", functools.partial(copy_gbps, kind, size, 1, copy_seconds))
+            # Sizes the engine copies on one thread have no threaded figure.
+            if pieces(size) > 1:
+                copies(
+                    f"{kind}_threaded_gbps",
+                    label,
+                    f"{kind} threaded {label}",
+                    functools.partial(copy_gbps, kind, size, COPY_THREADS, copy_seconds),
+                )
+            step(f"{kind} {label}")
+    # iperf3 right after the blocking stream it is compared with: a busy
+    # machine drifts.
+    blocking = attempt("tcp stream", lambda: tcp_stream(stream_seconds))
+    out["iperf3"] = iperf3(max(1, round(stream_seconds))) if with_iperf3 else None
+    if out["iperf3"] is not None and "gbps" in out["iperf3"] and blocking:
+        ratio = blocking["whole"] / out["iperf3"]["gbps"]  # a whole run against a whole run, both blocking
+        out["iperf3"]["native_over_iperf3"] = ratio
+        out["iperf3"]["agrees"] = abs(ratio - 1) <= IPERF3_TOLERANCE
+    if with_iperf3:
+        step("iperf3")
+    polling = attempt("tcp stream (polling)", lambda: tcp_stream(stream_seconds, True, STREAM_WRITE_POLLING))
+    out["tcp_stream"] = {
+        "blocking": blocking and {**blocking, "write_bytes": STREAM_WRITE},
+        "polling": polling and {**polling, "write_bytes": STREAM_WRITE_POLLING},
+    }
+    # The limit: the fastest interval of either.
+    out["tcp_stream_gbps"] = max((s["best"] for s in (blocking, polling) if s), default=None)
+    step("tcp stream")
+    out["tcp_rtt_request_bytes"] = RTT_REQUEST
+    out["tcp_rtt_us"] = attempt("tcp round trip", lambda: tcp_rtt_us(rtt_seconds, spin=False))
+    out["tcp_rtt_spin_us"] = attempt("tcp round trip (polling)", lambda: tcp_rtt_us(rtt_seconds, spin=True))
+    step("tcp round trip")
+    return out
+
+
+COPY_KEYS = ("memcpy_gbps", "memcpy_threaded_gbps", "process_vm_writev_gbps", "process_vm_writev_threaded_gbps")
+
+
+def combine(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The baselines from passes before and after the transports: each limit is
+    the best any pass showed (a shared machine is slow by moments, and a limit
+    caught in a slow moment would flag results measured in a fast one). The
+    passes themselves are kept under "passes"; iperf3 is the first pass's,
+    compared with the blocking stream run beside it."""
+    first = passes[0]
+    out: dict[str, Any] = {
+        k: first[k] for k in ("native", "copy_threads", "copy_piece_min", "tcp_rtt_request_bytes", "iperf3")
+    }
+    for key in COPY_KEYS:
+        labels = dict.fromkeys(label for p in passes for label in p[key])
+        out[key] = {label: max((p[key].get(label) or 0 for p in passes), default=0) or None for label in labels}
+    out["tcp_stream"] = {
+        how: max((p["tcp_stream"][how] for p in passes if p["tcp_stream"][how]), key=lambda v: v["best"], default=None)
+        for how in ("blocking", "polling")
+    }
+    out["tcp_stream_gbps"] = max((p["tcp_stream_gbps"] for p in passes if p["tcp_stream_gbps"]), default=None)
+    for key in ("tcp_rtt_us", "tcp_rtt_spin_us"):
+        out[key] = min((p[key] for p in passes if p[key]), key=lambda v: v["median"], default=None)
+    out["errors"] = {k: v for p in passes for k, v in p["errors"].items()}
+    out["passes"] = passes
+    return out
+
+
+# ---------- which limit a result is divided by ----------
+
+
+def copy_limit(b: dict[str, Any], path: str, size_label: str, size: int) -> tuple[str, float | None] | None:
+    """(baseline key, GB/s) for a put of `size` over `path`, or None when no
+    physical baseline here is of its kind (verbs)."""
+    if path in ("loopback", "shm-memfd", "shm"):
+        kind = "memcpy"
+    elif path == "shm-cma":
+        kind = "process_vm_writev"
+    elif path == "tcp":
+        return "tcp_stream_gbps", b.get("tcp_stream_gbps")
+    else:
+        return None
+    single = (f"{kind}_gbps", b.get(f"{kind}_gbps", {}).get(size_label))
+    if pieces(size, b.get("copy_threads", COPY_THREADS)) == 1:
+        return single
+    # Shared by the threads: the threaded copy, unless one thread did better
+    # in this run (a busy machine): the limit is the faster way.
+    threaded = (f"{kind}_threaded_gbps", b.get(f"{kind}_threaded_gbps", {}).get(size_label))
+    return max((threaded, single), key=lambda kv: kv[1] or 0)
+
+
+def rtt_limit_us(b: dict[str, Any]) -> tuple[str, float] | None:
+    """The faster tcp round trip (blocking or polling): (key, median us)."""
+    found = [(k, b[k]["median"]) for k in ("tcp_rtt_us", "tcp_rtt_spin_us") if b.get(k)]
+    return min(found, key=lambda kv: kv[1]) if found else None
+
+
+LIMIT_NAMES = {
+    "memcpy_gbps": "memcpy",
+    "memcpy_threaded_gbps": "memcpy x{t}",
+    "process_vm_writev_gbps": "process_vm_writev",
+    "process_vm_writev_threaded_gbps": "process_vm_writev x{t}",
+    "tcp_stream_gbps": "tcp stream",
+    "tcp_rtt_us": "C round trip",
+    "tcp_rtt_spin_us": "C round trip (polling)",
+}
+
+
+def limit_name(key: str, b: dict[str, Any]) -> str:
+    return LIMIT_NAMES[key].format(t=b.get("copy_threads", COPY_THREADS))
