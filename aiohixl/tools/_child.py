@@ -23,8 +23,15 @@ class LineChild:
             raise RuntimeError(f"{' '.join(args)} did not start")
 
     def ask(self, line: str) -> str:
+        self.tell(line)
+        return self.answer()
+
+    def tell(self, line: str) -> None:
+        """Send a line without waiting for the answer (``answer()`` reads it later)."""
         self.stdin.write(line + "\n")
         self.stdin.flush()
+
+    def answer(self) -> str:
         return self.stdout.readline().strip()
 
     def close(self) -> None:

@@ -118,8 +118,47 @@ async def serve(max_size: int) -> None:
             if cmd[0] == "hash":  # hash <region> <nbytes>: what landed, for verification
                 region = regions[cmd[1]]
                 print(hashlib.sha256(region.memory[: int(cmd[2])]).hexdigest(), flush=True)
+            elif cmd[0] == "notes":  # notes <n>: "ready", then when n notifications arrived, their delays
+                print("ready", flush=True)
+                print(json.dumps(await _note_delays(agent, int(cmd[1]))), flush=True)
             else:
                 print(time.process_time(), flush=True)  # "cpu"
+
+
+async def _note_delays(agent: Any, n: int) -> list[float]:
+    """For n notifications: seconds from the sender's issuing its put (the monotonic clock,
+    which every process of a host shares, in the message) to notification() returning here."""
+    delays = []
+    for _ in range(n):
+        note = await agent.notification(timeout=60)
+        delays.append(time.monotonic() - float(note.data))
+    return delays
+
+
+def _summary(delays: list[float]) -> dict[str, float]:
+    delays = sorted(delays)
+    return {"median_us": statistics.median(delays) * 1e6, "p99_us": delays[int(len(delays) * 0.99)] * 1e6}
+
+
+async def notify_latency(
+    agent: Any, peer: Any, target: Any, remote: Any, local: Any, size: int, ops: int
+) -> dict[str, float]:
+    """Median time from put(notify=) being issued to agent.notification() returning at the target."""
+    r, loc = remote[:size], local[:size]
+    if target is None:  # loopback: the target is this agent
+        delays = []
+        for _ in range(ops):
+            t = time.monotonic()
+            await peer.put(r, loc, notify=repr(t).encode())
+            await agent.notification(timeout=60)
+            delays.append(time.monotonic() - t)
+        return _summary(delays)
+    target.tell(f"notes {ops}")
+    if target.answer() != "ready":
+        raise RuntimeError("the bench target did not take the notes command")
+    for _ in range(ops):
+        await peer.put(r, loc, notify=repr(time.monotonic()).encode())
+    return _summary(json.loads(target.answer()))
 
 
 class TargetProcess(LineChild):
@@ -208,6 +247,13 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
             for op in ("put", "get"):
                 out["latency"][f"{op} {_fmt_size(size)}"] = await latency(peer, op, remote, local, size, plan.lat_ops)
                 progress.step(f"{name} {op} latency {_fmt_size(size)}")
+        out["notify"] = {}
+        for size in (4 * KiB, 1 * MiB):
+            ops = plan.lat_ops // 5 if size > 64 * KiB else plan.lat_ops
+            note = await notify_latency(agent, peer, target, remote, local, size, ops)
+            put = out["latency"].get(f"put {_fmt_size(size)}") or await latency(peer, "put", remote, local, size, ops)
+            out["notify"][_fmt_size(size)] = {**note, "put_median_us": put["median_us"]}
+            progress.step(f"{name} notification latency {_fmt_size(size)}")
         for size in plan.bw_sizes:
             depth = plan.inflight if size * plan.inflight <= max_size else max(1, max_size // size)
             row = {"one_gbps": await bandwidth(peer, remote, local, size, 1, plan.bw_seconds)}
@@ -472,6 +518,11 @@ def render(r: Results) -> str:
                 flagged += 1
         s = t["small_ops"]
         lines.append(f"  4 KiB puts/s: gather {s['gather_ops_per_s']:,.0f}   put_many {s['put_many_ops_per_s']:,.0f}")
+        for size, v in t.get("notify", {}).items():
+            lines.append(
+                f"  put(notify=) {size:>7} -> notification() at the target: median {v['median_us']:8.1f} us"
+                f"  (awaited put alone {v['put_median_us']:.1f} us)"
+            )
     if r.transports:
         lines += [
             "",
@@ -537,7 +588,7 @@ async def bench(args: argparse.Namespace) -> Results:
     results = Results(
         machine={"cpus": os.cpu_count(), "python": sys.version.split()[0], "quick": args.quick, "full": args.full}
     )
-    steps = 5 + 4 * len(plan.bw_sizes) + len(transports) * (2 * len(plan.lat_sizes) + len(plan.bw_sizes) + 1) + 1
+    steps = 5 + 4 * len(plan.bw_sizes) + len(transports) * (2 * len(plan.lat_sizes) + len(plan.bw_sizes) + 3) + 1
     steps += len(PEER_RUNS) if args.peers else 0
     progress = Progress(steps)
 
