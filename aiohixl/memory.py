@@ -19,24 +19,31 @@ class Access(enum.IntFlag):
     REMOTE_READ = 2
 
 
-def slice_range(key: Any, length: int, what: str) -> tuple[int, int]:
+class _Labelled(Protocol):
+    def label(self) -> str: ...
+
+
+def slice_range(key: Any, length: int, what: str, of: _Labelled) -> tuple[int, int]:
     """``(offset, nbytes)`` of ``key`` (a slice) inside ``[0, length)``.
 
     Unlike Python sequences, a range reaching past the end is an error, not
-    clamped: a silently shortened transfer is a bug waiting to happen.
+    clamped: a silently shortened transfer is a bug waiting to happen. The
+    error names ``what.format(of.label())``, made only when there is one: a
+    user slices on every op.
     """
     if not isinstance(key, slice):
-        raise TypeError(f"{what}[...] takes a slice like [start:stop], not {type(key).__name__}")
-    if key.step not in (None, 1):
-        raise UnsupportedMemory(f"{what}[...]: a step of {key.step} is not contiguous")
-    start = 0 if key.start is None else key.start.__index__()
-    stop = length if key.stop is None else key.stop.__index__()
+        raise TypeError(f"{what.format(of.label())}[...] takes a slice like [start:stop], not {type(key).__name__}")
+    start, stop, step = key.start, key.stop, key.step
+    if step is not None and step != 1:
+        raise UnsupportedMemory(f"{what.format(of.label())}[...]: a step of {step} is not contiguous")
+    start = 0 if start is None else start.__index__()
+    stop = length if stop is None else stop.__index__()
     if start < 0:
         start += length
     if stop < 0:
         stop += length
     if not 0 <= start <= stop <= length:
-        raise OutOfBounds(f"{what}[{key.start}:{key.stop}] is outside [0, {length})")
+        raise OutOfBounds(f"{what.format(of.label())}[{key.start}:{key.stop}] is outside [0, {length})")
     return start, stop - start
 
 
@@ -94,7 +101,7 @@ class Region:
         return self.nbytes
 
     def __getitem__(self, key: slice) -> RegionSlice:
-        offset, nbytes = slice_range(key, self.nbytes, f"Region {self.label()}")
+        offset, nbytes = slice_range(key, self.pinned.nbytes, "Region {}", self)
         return RegionSlice(self, offset, nbytes)
 
     def as_slice(self) -> RegionSlice:
@@ -159,7 +166,7 @@ class RegionSlice:
         return self.nbytes
 
     def __getitem__(self, key: slice) -> RegionSlice:
-        offset, nbytes = slice_range(key, self.nbytes, f"slice of region {self.region.label()}")
+        offset, nbytes = slice_range(key, self.nbytes, "slice of region {}", self.region)
         return RegionSlice(self.region, self.offset + offset, nbytes)
 
     @property

@@ -37,7 +37,7 @@ class RemoteRegion:
         return self.info.nbytes
 
     def __getitem__(self, key: slice) -> RemoteSlice:
-        offset, nbytes = slice_range(key, self.info.nbytes, f"RemoteRegion {self.label()}")
+        offset, nbytes = slice_range(key, self.info.nbytes, "RemoteRegion {}", self)
         return RemoteSlice(self, offset, nbytes)
 
     def as_slice(self) -> RemoteSlice:
@@ -67,7 +67,7 @@ class RemoteSlice:
         return self.nbytes
 
     def __getitem__(self, key: slice) -> RemoteSlice:
-        offset, nbytes = slice_range(key, self.nbytes, f"slice of remote region {self.region.label()}")
+        offset, nbytes = slice_range(key, self.nbytes, "slice of remote region {}", self.region)
         return RemoteSlice(self.region, self.offset + offset, nbytes)
 
     def __repr__(self) -> str:

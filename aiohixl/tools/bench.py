@@ -188,6 +188,21 @@ async def latency(peer: Any, op: str, remote: Any, local: Any, size: int, ops: i
     return {"median_us": statistics.median(samples) * 1e6, "p99_us": samples[int(len(samples) * 0.99)] * 1e6}
 
 
+async def user_path_latency(peer: Any, remote: Any, local: Any, size: int, ops: int) -> dict[str, float]:
+    """A put as a user writes it, ``peer.put(kv[a:b], cache[c:d])``: both slices made per op."""
+    for _ in range(min(ops, 500)):
+        await peer.put(remote[size : 2 * size], local[:size])
+    samples = []
+    clock = time.perf_counter
+    for i in range(ops):
+        a = (i & 7) * size
+        t = clock()
+        await peer.put(remote[a : a + size], local[a : a + size])
+        samples.append(clock() - t)
+    samples.sort()
+    return {"median_us": statistics.median(samples) * 1e6, "p99_us": samples[int(len(samples) * 0.99)] * 1e6}
+
+
 async def bandwidth(peer: Any, remote: Any, local: Any, size: int, inflight: int, seconds: float) -> float:
     span = len(local) // size
     slots = [(remote[i * size : (i + 1) * size], local[i * size : (i + 1) * size]) for i in range(min(span, inflight))]
@@ -247,6 +262,10 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
             for op in ("put", "get"):
                 out["latency"][f"{op} {_fmt_size(size)}"] = await latency(peer, op, remote, local, size, plan.lat_ops)
                 progress.step(f"{name} {op} latency {_fmt_size(size)}")
+        size = plan.lat_sizes[0]
+        out["latency"][f"put {_fmt_size(size)} (slices per op)"] = await user_path_latency(
+            peer, remote, local, size, plan.lat_ops
+        )
         out["notify"] = {}
         for size in (4 * KiB, 1 * MiB):
             ops = plan.lat_ops // 5 if size > 64 * KiB else plan.lat_ops
@@ -497,6 +516,10 @@ def render(r: Results) -> str:
                 if lim["above_limit"]:
                     extra += "  (!) faster than the physical round trip: check the baseline"
                     flagged += 1
+            if key.endswith("(slices per op)"):
+                presliced = t["latency"].get(key.replace(" (slices per op)", ""))
+                if presliced:
+                    extra = f"   ({v['median_us'] / presliced['median_us']:.2f}x the presliced put)"
             lines.append(f"  {key:<14} {v['median_us']:8.1f} us {v['p99_us']:8.1f} us{extra}")
         lines.append("  bandwidth (put)    1 in flight          N in flight           vs its physical limit")
         for size, v in t["bandwidth"].items():
