@@ -155,8 +155,10 @@ int hx_verbs_accept(hx_agent *a, uint64_t session, uint32_t qpn, uint32_t psn, c
 void hx_verbs_drop_session(hx_agent *a, uint64_t session);
 int hx_verbs_post_imm(hx_peer *p, uint64_t op_id, const hx_sge *sges, uint32_t n, uint32_t imm);
 
-/* Touches every page so later copies do not pay page faults. */
-void hx_prefault(void *addr, uint64_t len, int write);
+/* Faults every page in (and asks for huge pages) so later copies do not pay
+ * page faults: the kernel's bulk populate over up to `threads` threads, else
+ * page by page (returns 1 then, 0 when the bulk populate did it). Blocks. */
+int hx_prefault(void *addr, uint64_t len, int write, int threads);
 /* CDEF-END */
 
 #endif

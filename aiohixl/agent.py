@@ -108,6 +108,7 @@ class Agent:
         self._heartbeat = (heartbeat_interval, heartbeat_timeout)
         self._listener: Listener | None = None
         self.engine = Engine(max_inflight, copy_threads)
+        self._threads = copy_threads
         self._names: collections.OrderedDict[int, str] = collections.OrderedDict()  # senders, by session key
         self._inbox = Inbox(self.engine, max_notifications, self._sender_name)
         self.engine.on_wake = self._inbox.pull
@@ -319,8 +320,42 @@ class Agent:
         memory registered as the local end of ops. Give ``REMOTE_WRITE`` and/or
         ``REMOTE_READ`` for memory peers should reach; they reach it by its
         ``name`` (published) or by its descriptor, never by guessing. The
-        buffer is pinned (a bytearray cannot be resized) until the region is closed.
+        buffer is pinned (a bytearray cannot be resized) until the region is
+        closed, and its pages are faulted in now (``register_async`` does that
+        off the event loop).
         """
+        pinned, rights = self._pin(obj, access, name)
+        self._prefault(pinned)
+        return self._add_region(pinned, rights, name, "Agent.register")
+
+    async def register_async(self, obj: Any, *, access: Access | None = None, name: str | None = None) -> Region:
+        """``register()``, its pages faulted in on a worker thread: the event loop runs
+        meanwhile, and the region exists (peers find it) once they all are."""
+        pinned, rights = self._pin(obj, access, name)
+        await self._prefault_off_loop(pinned, "Agent.register_async")
+        return self._add_region(pinned, rights, name, "Agent.register_async")
+
+    def allocate(self, nbytes: int, *, access: Access | None = None, name: str | None = None) -> Region:
+        """Allocate ``nbytes`` of zero-filled, page-aligned memory (memfd-backed) and register it.
+
+        ``access`` defaults to REMOTE_READ|REMOTE_WRITE: allocated memory is made
+        for peers to reach (by its ``name`` or its descriptor), and holds nothing
+        of the program's until it is written. Its pages are faulted in now, with
+        the kernel's bulk populate over the copy threads (``allocate_async``
+        does that off the event loop: a KV pool of many GiB takes seconds).
+        """
+        pinned, rights, what = self._memfd(nbytes, access, name, "Agent.allocate")
+        self._prefault(pinned)
+        return self._add_region(pinned, rights, name, what)
+
+    async def allocate_async(self, nbytes: int, *, access: Access | None = None, name: str | None = None) -> Region:
+        """``allocate()``, its pages faulted in on a worker thread: the event loop runs
+        meanwhile, and the region exists (peers find it) once they all are."""
+        pinned, rights, what = self._memfd(nbytes, access, name, "Agent.allocate_async")
+        await self._prefault_off_loop(pinned, what)
+        return self._add_region(pinned, rights, name, what)
+
+    def _pin(self, obj: Any, access: Access | None, name: str | None) -> tuple[Pinned, Access]:
         self.check_open("Agent.register")
         _check_region_args(access, name, "Agent.register")
         pinned = pin(obj, "Agent.register")
@@ -329,20 +364,11 @@ class Agent:
         if pinned.readonly and access & Access.REMOTE_WRITE:
             pinned.release()
             raise InvalidArgument(f"Agent.register: {type(obj).__name__} is read-only but access asks for REMOTE_WRITE")
-        # Fault the pages in now: a first copy into cold memory runs at a
-        # fraction of the speed of one into warm memory.
-        lib.hx_prefault(ffi.cast("void *", pinned.address), pinned.nbytes, 0 if pinned.readonly else 1)
-        return self._add_region(pinned, Access(access), name, "Agent.register")
+        return pinned, Access(access)
 
-    def allocate(self, nbytes: int, *, access: Access | None = None, name: str | None = None) -> Region:
-        """Allocate ``nbytes`` of zero-filled, page-aligned memory (memfd-backed) and register it.
-
-        ``access`` defaults to REMOTE_READ|REMOTE_WRITE: allocated memory is made
-        for peers to reach (by its ``name`` or its descriptor), and holds nothing
-        of the program's until it is written.
-        """
-        self.check_open("Agent.allocate")
-        what = f"Agent.allocate({nbytes!r})"
+    def _memfd(self, nbytes: int, access: Access | None, name: str | None, call: str) -> tuple[Pinned, Access, str]:
+        self.check_open(call)
+        what = f"{call}({nbytes!r})"
         if isinstance(nbytes, bool) or not isinstance(nbytes, int):
             raise InvalidArgument(f"{what}: size must be an int, not {type(nbytes).__name__}")
         if nbytes < 0:
@@ -352,10 +378,25 @@ class Agent:
             pinned = allocate_memfd(nbytes, name)
         except OSError as exc:
             raise MemoryError(f"{what}: cannot allocate {nbytes} bytes: {exc.strerror or exc}") from exc
-        lib.hx_prefault(ffi.cast("void *", pinned.address), nbytes, 1)
         if access is None:
             access = Access.REMOTE_READ | Access.REMOTE_WRITE
-        return self._add_region(pinned, Access(access), name, "Agent.allocate")
+        return pinned, Access(access), what
+
+    def _prefault(self, pinned: Pinned, threads: int | None = None) -> None:
+        # A first copy into cold memory runs at a fraction of the speed of one into warm memory.
+        write = 0 if pinned.readonly else 1
+        lib.hx_prefault(ffi.cast("void *", pinned.address), pinned.nbytes, write, threads or self._threads)
+
+    async def _prefault_off_loop(self, pinned: Pinned, what: str) -> None:
+        # One core is left to the event loop, which must not stall meanwhile.
+        threads = max(1, min(self._threads, (os.cpu_count() or 1) - 1))
+        try:
+            with anyio.CancelScope(shield=True):  # the thread cannot be stopped: the memory stays pinned until done
+                await anyio.to_thread.run_sync(self._prefault, pinned, threads)
+            self.check_open(what)
+        except BaseException:
+            pinned.release()
+            raise
 
     def _add_region(self, pinned: Pinned, access: Access, name: str | None, what: str) -> Region:
         if name is not None:

@@ -253,15 +253,3 @@ out:
     free(src);
     return rc;
 }
-
-void hx_prefault(void *addr, uint64_t len, int write)
-{
-    long page = sysconf(_SC_PAGESIZE);
-    volatile uint8_t *p = addr;
-    for (uint64_t off = 0; off < len; off += (uint64_t)page) {
-        if (write)
-            p[off] = p[off]; /* a read-modify-write keeps the contents */
-        else
-            (void)p[off];
-    }
-}
