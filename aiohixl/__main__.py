@@ -11,7 +11,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="version, transports available here and why not, RDMA devices")
     sub.add_parser("bench", help="latency, bandwidth and CPU against baselines (bench --help)", add_help=False)
-    store = sub.add_parser("store", help="run the tcp rendezvous store alone (ranks connect with store=tcp://HOST:PORT)")
+    store = sub.add_parser(
+        "store", help="run the tcp rendezvous store alone (ranks connect with store=tcp://HOST:PORT)"
+    )
     store.add_argument("--listen", required=True, metavar="HOST:PORT", help="where to listen (port 0: a free one)")
     store.add_argument("--token", default=None, help="the agents' shared token (default: AIOHIXL_TOKEN)")
     argv = sys.argv[1:] if argv is None else argv

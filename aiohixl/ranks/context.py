@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import socket
+from collections.abc import Callable
 from typing import Any, Union
 
 import anyio
@@ -24,7 +25,6 @@ from ..errors import (
     ClosedError,
     ConnectionLost,
     ConnectTimeout,
-    HixlError,
     InvalidArgument,
     OutOfBounds,
     UnsupportedMemory,
@@ -239,7 +239,7 @@ class Context:
                         f"{what}: cannot reach {rec.describe()} ({exc}); the store still lists it"
                     ) from None
                 with anyio.move_on_after(min(0.5, deadline - anyio.current_time())):
-                    await self.store.wait_for(what, lambda r=rec: None if self.store.records.get(rank) is r else 1, None)
+                    await self.store.wait_for(what, _replaced(self.store, rec), None)
         if nbytes is not None and nbytes > remote.nbytes:
             raise OutOfBounds(f"{what}: asked for {nbytes} bytes, rank {rank}'s region has {remote.nbytes}")
         return remote
@@ -282,6 +282,7 @@ class Context:
         peer = self._peers.get(rank)
         if peer is not None and peer.remote_id == region.agent_id and _usable(peer):
             return peer
+        await self.store.sync()
         rec = self.store.records.get(rank)
         if rec is None or rec.agent_id != region.agent_id:
             why = "left the store" if rec is None else f"restarted ({rec.describe()})"
@@ -314,7 +315,9 @@ class Context:
             remote, ls = _first(remote, nbytes, what), _first(ls, nbytes, what)
         await peer.put(remote, ls, notify=notify, timeout=timeout)
 
-    async def get(self, local: Any, remote: RemoteRef, nbytes: int | None = None, *, timeout: float | None = None) -> None:
+    async def get(
+        self, local: Any, remote: RemoteRef, nbytes: int | None = None, *, timeout: float | None = None
+    ) -> None:
         """Read ``remote`` into ``local`` (a Region, a slice, or a registered object)."""
         what = "Context.get"
         self._check(what)
@@ -345,6 +348,11 @@ class Context:
             f"{what}: the local side must be a Region, a slice of one, or an object registered with"
             f" Context.register(), not an unregistered {type(local).__name__}"
         )
+
+
+def _replaced(store: Store, rec: RankRecord) -> Callable[[], bool | None]:
+    """A predicate: the store's entry for ``rec.rank`` is no longer ``rec``."""
+    return lambda: None if store.records.get(rec.rank) is rec else True
 
 
 def _usable(peer: Peer) -> bool:

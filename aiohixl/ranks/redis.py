@@ -111,7 +111,9 @@ class RedisStore(Store):
                     raise AuthenticationError(f"{what}: Redis refused the credentials: {exc}") from None
                 if anyio.current_time() + pause >= deadline:
                     await client.aclose()
-                    raise ConnectTimeout(f"{what}: unreachable for {timeout} s (last: {exc or type(exc).__name__})") from None
+                    raise ConnectTimeout(
+                        f"{what}: unreachable for {timeout} s (last: {exc or type(exc).__name__})"
+                    ) from None
             await anyio.sleep(pause)
             pause = min(pause * 2, 0.5)
 
@@ -165,7 +167,9 @@ class RedisStore(Store):
                 try:
                     reply = await self._claim(self.own)
                     if reply[0] != 0:
-                        self.fail(f"rank {self.own.rank}'s entry was taken over (did this process stall past its lease?)")
+                        self.fail(
+                            f"rank {self.own.rank}'s entry was taken over (did this process stall past its lease?)"
+                        )
                         return
                     await self._refresh_mirror()
                 except StoreLost:
@@ -182,6 +186,12 @@ class RedisStore(Store):
         if records != self.records:
             self.records = records
             self._changed_now()
+
+    async def sync(self) -> None:
+        try:
+            await self._refresh_mirror()
+        except StoreLost:
+            pass  # the mirror stays as it was; fail() says when the store is lost for good
 
     async def _next_change(self, waited: int) -> None:
         await anyio.sleep(min(0.02 * 2**waited, 0.25))

@@ -96,6 +96,9 @@ class Store:
     async def _leave(self) -> None:
         raise NotImplementedError
 
+    async def sync(self) -> None:
+        """Bring the mirror up to date now (the tcp store's always is)."""
+
     # ---- the mirror ----
 
     def _changed_now(self) -> None:
@@ -204,10 +207,12 @@ class Store:
         held = self.records.get(rank)
         if held is not None:
             raise UnknownRank(
-                f"{what}: rank {rank} ({held.describe()}) published no region {region!r} within {_secs(timeout)};"
+                f"{what}: {held.describe()} published no region {region!r} within {_secs(timeout)};"
                 f" it publishes {sorted(held.regions) or 'none'}"
             )
-        raise UnknownRank(f"{what}: no rank {rank} in {self.label} within {_secs(timeout)}; it holds {summary(self.records)}")
+        raise UnknownRank(
+            f"{what}: no rank {rank} in {self.label} within {_secs(timeout)}; it holds {summary(self.records)}"
+        )
 
     def ranks(self, group: str | None = None) -> list[int]:
         return sorted(r for r, rec in self.records.items() if group is None or rec.group == group)
