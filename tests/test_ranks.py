@@ -49,6 +49,7 @@ def redis_url():
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},  # make test-asan preloads libasan
     )
     try:
         deadline = time.monotonic() + 20
@@ -310,3 +311,16 @@ def test_bad_arguments_are_refused_before_anything_starts():
         asyncio.run(go(rank=2, world_size=2, store="tcp://127.0.0.1:1", token=TOKEN))
     with pytest.raises(aiohixl.InvalidArgument, match="rank="):
         asyncio.run(go(store="tcp://127.0.0.1:1", token=TOKEN))
+
+
+def test_the_two_process_example_runs_as_written():
+    env = dict(os.environ, AIOHIXL_STORE=f"tcp://127.0.0.1:{free_port()}")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "ranks_two_processes.py")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "cache intact: True" in proc.stdout and "pushed 4194304 bytes to rank 1" in proc.stdout
