@@ -155,6 +155,16 @@ async def test_eight_ranks_in_four_processes_put_into_every_decode_pool(store):
                 assert mine["senders"] == [f"rank{p}-prefill" for p in range(4)]
                 # every byte: each prefill rank's slot holds that rank's pattern for this target
                 assert mine["slots"] == [sha(pattern(SLOT, p * 1000 + target)) for p in range(4)], target
+        # a barrier of all 8 ranks, across the 4 processes
+        replies: list[dict] = []
+
+        async def barrier(w: Worker) -> None:
+            replies.append(await w.cmd(op="barrier"))
+
+        async with anyio.create_task_group() as tg:
+            for w in workers:
+                tg.start_soon(barrier, w)
+        assert replies == [{"ok": True}] * 4, replies
     finally:
         for w in reversed(workers):  # rank 0 (the tcp store's host) last
             await w.aclose()
@@ -324,3 +334,31 @@ def test_the_two_process_example_runs_as_written():
     )
     assert proc.returncode == 0, proc.stderr
     assert "cache intact: True" in proc.stdout and "pushed 4194304 bytes to rank 1" in proc.stdout
+
+
+def test_ranks_under_trio():
+    trio = pytest.importorskip("trio")
+    url = f"tcp://127.0.0.1:{free_port()}"
+
+    async def main() -> None:
+        ctxs: dict[int, aiohixl.Context] = {}
+
+        async def join(rank: int, group: str) -> None:
+            ctxs[rank] = await aiohixl.init(rank, group, url, world_size=2, token=TOKEN)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(join, 0, "prefill")
+            n.start_soon(join, 1, "decode")
+        a, b = ctxs[0], ctxs[1]
+        kv = b.allocate_registered(4096)
+        src = a.register(bytearray(b"t" * 4096))
+        await a.put(await a.get_remote_mem(1, 4096), src, notify=b"trio")
+        assert (await b.agent.notification(timeout=30)).data == b"trio"
+        assert bytes(kv.memory) == bytes(src.memory)
+        async with trio.open_nursery() as n:
+            n.start_soon(a.barrier)
+            n.start_soon(b.barrier)
+        await b.aclose()
+        await a.aclose()
+
+    trio.run(main)

@@ -210,7 +210,7 @@ class Context:
         """Wait until every rank of ``group`` (every rank when None: ``world_size`` of them if given)
         has entered this barrier. Regions published before it are visible to all after it."""
         self._check("Context.barrier")
-        expected = self.world_size or 0 if group is None else 0
+        expected = (self.world_size or 0) if group is None else 0
         await self.store.barrier(group, expected, timeout, f"Context.barrier(group={group!r})")
 
     # ---- peers ----
