@@ -186,7 +186,9 @@ async def test_a_killed_rank_leaves_the_store_and_its_restart_is_reached(store):
                 while 5 in ctx.ranks():
                     await anyio.sleep(0.05)  # (Redis: the lease task reads the store every lease/3 s)
             gone_after = time.monotonic() - t0
-            assert store["kind"] == "redis" or gone_after < 10, gone_after
+            # tcp: the kernel closes the dead process's socket at once; Redis: the lease (2 s) ends
+            # and the lease task (every lease/3 s) reads the store again. Loose bounds: a busy machine.
+            assert gone_after < (10 if store["kind"] == "tcp" else LEASE * 3 + 5), gone_after
             with pytest.raises(aiohixl.ConnectionLost):
                 await ctx.put(remote, src, SLOT)
         finally:
