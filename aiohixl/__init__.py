@@ -14,15 +14,20 @@ from .errors import (
     NotificationTimeout,
     OutOfBounds,
     ProtocolError,
+    RankConflict,
     RegionUnavailable,
+    RendezvousTimeout,
+    StoreLost,
     TransferError,
     TransferTimeout,
+    UnknownRank,
     UnsupportedMemory,
     WrongEventLoop,
 )
 from .memory import Access, Region, RegionSlice
 from .notifications import Notification
 from .peer import Peer
+from .ranks import Context, get, get_remote_mem, init, put
 from .remote import RemoteRegion, RemoteSlice
 
 __version__ = "0.1.0"
@@ -53,5 +58,14 @@ __all__ = [
     "NotificationTimeout",
     "Notification",
     "WrongEventLoop",
+    "RankConflict",
+    "UnknownRank",
+    "StoreLost",
+    "RendezvousTimeout",
+    "init",
+    "get_remote_mem",
+    "put",
+    "get",
+    "Context",
     "__version__",
 ]

@@ -6,7 +6,8 @@ Every connection to a listener starts with the same exchange::
     server -> CHALLENGE  version chosen, nonce_s, HMAC(token, "server" nonce_c nonce_s)
     client -> AUTH       HMAC(token, "client" nonce_s nonce_c role session), who it is
     server -> WELCOME    who it is, session id, published regions      (control)
-              DATA_OK    sent by the native layer once it owns the socket (data)
+              DATA_OK    sent by the native layer once it owns the socket (data),
+                         or by the rendezvous store (role store, docs/ranks.md)
 
 Each side proves it holds the token before the other says anything that
 matters; MACs are compared in constant time. Whether the peer is alive is
@@ -243,7 +244,7 @@ def _read_identity(r: w.Reader, session: bytes) -> PeerInfo:
 async def client_handshake(
     ch: Channel, token: bytes, role: int, session: bytes, me: Identity, where: str
 ) -> PeerInfo | None:
-    """Runs the client half; returns the server's PeerInfo (control) or None (data)."""
+    """Runs the client half; returns the server's PeerInfo (control) or None (data, store)."""
     nonce_c = os.urandom(32)
     hello = w.Writer().raw(w.MAGIC).u16(w.VERSION_MIN).u16(w.VERSION_MAX).u8(role).raw(nonce_c)
     await ch.send(hello.frame(w.HELLO))
@@ -257,7 +258,7 @@ async def client_handshake(
     auth = w.Writer().raw(_client_mac(token, nonce_s, nonce_c, role, session)).raw(session)
     _write_identity(auth, me)
     await ch.send(auth.frame(w.AUTH))
-    if role == w.ROLE_DATA:
+    if role != w.ROLE_CONTROL:
         r = await ch.expect(w.DATA_OK, w.MAX_UNAUTH_FRAME)
         r.end()
         return None
@@ -279,15 +280,25 @@ class Hello:
     info: PeerInfo
 
 
-async def server_handshake(ch: Channel, token: bytes) -> Hello:
-    """Runs the server half up to and including the check of the client's MAC."""
+async def server_handshake(
+    ch: Channel, token: bytes, roles: tuple[int, ...] = (w.ROLE_CONTROL, w.ROLE_DATA), serves: str = "an agent"
+) -> Hello:
+    """Runs the server half up to and including the check of the client's MAC.
+
+    ``roles``: the connection roles this listener takes; another is refused
+    with an ERROR frame saying what ``serves`` here.
+    """
     r = await ch.expect(w.HELLO, w.MAX_UNAUTH_FRAME)
     magic, vmin, vmax, role, nonce_c = r.raw(4), r.u16(), r.u16(), r.u8(), r.raw(32)
     r.end()
     if magic != w.MAGIC:
         raise ProtocolError("not an aiohixl client (bad magic)")
-    if role not in (w.ROLE_CONTROL, w.ROLE_DATA):
+    if role not in w.ROLE_NAMES:
         raise ProtocolError(f"unknown role {role}")
+    if role not in roles:
+        wanted = w.ROLE_NAMES[role]
+        await ch.send(error_frame(w.ERR_ROLE, f"this listener is {serves}; it takes no {wanted} connection"))
+        raise ProtocolError(f"a {wanted} connection to {serves}")
     version = min(vmax, w.VERSION_MAX)
     if version < max(vmin, w.VERSION_MIN):
         await ch.send(error_frame(w.ERR_VERSION, f"this agent speaks versions {w.VERSION_MIN}-{w.VERSION_MAX}"))

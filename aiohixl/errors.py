@@ -6,6 +6,10 @@
 - ``OutOfBounds`` / ``AccessDenied``: the op was refused before any byte moved.
 - ``TransferTimeout``: the caller stopped waiting; the op itself may still
   complete (bytes may land later).
+- Ranks (``aiohixl.init``): ``RankConflict`` (another live process holds the
+  rank), ``UnknownRank`` (no such rank in the store within the timeout),
+  ``StoreLost`` (the connection to the rendezvous store broke),
+  ``RendezvousTimeout`` (a barrier or wait_ranks did not complete in time).
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ __all__ = [
     "TransferTimeout",
     "NotificationTimeout",
     "WrongEventLoop",
+    "RankConflict",
+    "UnknownRank",
+    "StoreLost",
+    "RendezvousTimeout",
 ]
 
 
@@ -103,3 +111,19 @@ class NotificationTimeout(HixlError, TimeoutError):
 
 class WrongEventLoop(HixlError, RuntimeError):
     """The agent was used from an event loop or thread other than the one that started it."""
+
+
+class RankConflict(HixlError):
+    """Another live process holds the rank this one claims in the rendezvous store."""
+
+
+class UnknownRank(HixlError, LookupError):
+    """The rendezvous store had no such rank (or the rank no such region) within the timeout."""
+
+
+class StoreLost(ConnectionLost):
+    """The connection to the rendezvous store broke (its host died, or the network)."""
+
+
+class RendezvousTimeout(HixlError, TimeoutError):
+    """A barrier or wait_ranks did not complete in time; the message names who is missing."""

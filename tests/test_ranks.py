@@ -1,0 +1,366 @@
+"""Ranks, groups and the rendezvous stores, with real processes (tests/ranks_worker.py) and a
+real redis-server (skipped, with the reason, when it is not installed).
+
+Every test runs over both stores where the behaviour is the same: the embedded tcp store
+(hosted by whichever process has rank 0) and Redis (entries with a lease).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import anyio
+import numpy as np
+import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+import aiohixl
+
+from .harness import ROOT, TOKEN, pattern
+
+SLOT = 256 << 10  # what each prefill rank writes into each decode rank's pool
+LEASE = 2.0  # redis lease in these tests: a dead rank's entry is gone within it
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (.ci/run installs it: apt-get install redis-server)")
+    pytest.importorskip("redis", reason="redis-py is not installed (the test extra has it)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},  # make test-asan preloads libasan
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                pytest.fail("redis-server did not start")
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0?lease={LEASE}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(params=["tcp", "redis"])
+def store(request):
+    """A store URL for one test and a fresh job namespace."""
+    if request.param == "tcp":
+        return {"kind": "tcp", "url": f"tcp://127.0.0.1:{free_port()}", "job": "default"}
+    return {"kind": "redis", "url": request.getfixturevalue("redis_url"), "job": uuid.uuid4().hex[:12]}
+
+
+class Worker:
+    """Some ranks in a process of their own (tests/ranks_worker.py)."""
+
+    def __init__(self, proc, out, ready: dict) -> None:
+        self.proc, self.out, self.ready = proc, out, ready
+
+    @classmethod
+    async def start(cls, store: dict, ranks: str, world: int | None = None, pool: int = 4 * SLOT, check=True):
+        cmd = [sys.executable, "-m", "tests.ranks_worker", "--store", store["url"], "--token", TOKEN]
+        cmd += ["--ranks", ranks, "--pool", str(pool), "--job", store["job"]]
+        if world is not None:
+            cmd += ["--world", str(world)]
+        proc = await anyio.open_process(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=None)
+        out = BufferedByteReceiveStream(proc.stdout)
+        with anyio.fail_after(150):
+            ready = json.loads(await out.receive_until(b"\n", 1 << 20))
+        if check:
+            assert ready["ready"], ready
+        return cls(proc, out, ready)
+
+    async def cmd(self, **kw) -> dict:
+        await self.proc.stdin.send((json.dumps(kw) + "\n").encode())
+        with anyio.fail_after(150):
+            return json.loads(await self.out.receive_until(b"\n", 1 << 20))
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+
+    async def aclose(self) -> None:
+        if self.proc.returncode is None:
+            try:
+                with anyio.fail_after(20):
+                    await self.cmd(op="exit")
+            except Exception:
+                self.kill()
+        with anyio.CancelScope(shield=True):
+            await self.proc.wait()
+            await self.proc.aclose()
+
+
+def init(store: dict, rank: int, group: str = "prefill", **kw):
+    kw.setdefault("token", TOKEN)
+    kw.setdefault("timeout", 60)
+    return aiohixl.init(rank, group, store["url"], namespace=store["job"], **kw)
+
+
+def sha(arr) -> str:
+    return hashlib.sha256(np.ascontiguousarray(arr)).hexdigest()
+
+
+async def test_eight_ranks_in_four_processes_put_into_every_decode_pool(store):
+    layout = ["0:prefill,1:prefill", "2:prefill,3:prefill", "4:decode,5:decode", "6:decode,7:decode"]
+    workers: list[Worker] = []
+    try:
+        # All at once: ranks whose store is not up yet (rank 0 serves the tcp one) retry until it is.
+        async with anyio.create_task_group() as tg:
+
+            async def start(ranks: str) -> None:
+                workers.append(await Worker.start(store, ranks, world=8))
+
+            for ranks in layout:
+                tg.start_soon(start, ranks)
+        workers.sort(key=lambda w: w.ready["ranks"][0])
+        assert (await workers[0].cmd(op="ranks", group="decode"))["ranks"] == [4, 5, 6, 7]
+        assert (await workers[3].cmd(op="ranks", group="prefill"))["ranks"] == [0, 1, 2, 3]
+        async with anyio.create_task_group() as tg:
+            for w in workers[:2]:
+                tg.start_soon(lambda w=w: w.cmd(op="push", targets=[4, 5, 6, 7], slot=SLOT, slots=4))
+        for w in workers[2:]:
+            got = await w.cmd(op="collect", n=4, slot=SLOT, slots=4)
+            assert got["ok"], got
+            for target in w.ready["ranks"]:
+                mine = got[str(target)]
+                assert mine["notes"] == [f"{p}->{target}" for p in range(4)]
+                assert mine["senders"] == [f"rank{p}-prefill" for p in range(4)]
+                # every byte: each prefill rank's slot holds that rank's pattern for this target
+                assert mine["slots"] == [sha(pattern(SLOT, p * 1000 + target)) for p in range(4)], target
+        # a barrier of all 8 ranks, across the 4 processes
+        replies: list[dict] = []
+
+        async def barrier(w: Worker) -> None:
+            replies.append(await w.cmd(op="barrier"))
+
+        async with anyio.create_task_group() as tg:
+            for w in workers:
+                tg.start_soon(barrier, w)
+        assert replies == [{"ok": True}] * 4, replies
+    finally:
+        for w in reversed(workers):  # rank 0 (the tcp store's host) last
+            await w.aclose()
+
+
+async def test_a_killed_rank_leaves_the_store_and_its_restart_is_reached(store):
+    async with await init(store, 0) as ctx:
+        worker = await Worker.start(store, "5:decode")
+        try:
+            remote = await ctx.get_remote_mem(5, SLOT)
+            src = ctx.register(pattern(SLOT, 1))
+            await ctx.put(remote, src, SLOT, notify=b"first")
+            assert (await worker.cmd(op="note"))["data"] == "first"
+            worker.kill()
+            await worker.proc.wait()
+            t0 = time.monotonic()
+            # The entry goes: embedded, when the connection drops; Redis, within the lease.
+            with anyio.fail_after(30):
+                while 5 in ctx.ranks():
+                    await anyio.sleep(0.05)  # (Redis: the lease task reads the store every lease/3 s)
+            gone_after = time.monotonic() - t0
+            # tcp: the kernel closes the dead process's socket at once; Redis: the lease (2 s) ends
+            # and the lease task (every lease/3 s) reads the store again. Loose bounds: a busy machine.
+            assert gone_after < (10 if store["kind"] == "tcp" else LEASE * 3 + 5), gone_after
+            with pytest.raises(aiohixl.ConnectionLost):
+                await ctx.put(remote, src, SLOT)
+        finally:
+            await worker.aclose()
+        worker = await Worker.start(store, "5:decode")  # restarted: a new agent, a new address
+        try:
+            with pytest.raises(aiohixl.ConnectionLost, match="rank 5 restarted"):
+                await ctx.put(remote, src)  # the old region is gone with the old process
+            remote = await ctx.get_remote_mem(5, SLOT, timeout=60)
+            await ctx.put(remote[0:4096], src[0:4096], notify=b"again")
+            got = await worker.cmd(op="note")
+            assert got["data"] == "again" and got["sha"] == sha(pattern(SLOT, 1)[:4096])
+        finally:
+            await worker.aclose()
+
+
+async def test_the_embedded_store_host_dying_is_a_clear_error():
+    store = {"kind": "tcp", "url": f"tcp://127.0.0.1:{free_port()}", "job": "default"}
+    host = await Worker.start(store, "0:prefill")
+    try:
+        async with await init(store, 1, "decode") as ctx:
+            assert ctx.ranks() == [0, 1]
+            waiting: list[BaseException] = []
+
+            async def wait_for_a_rank_that_never_comes() -> None:
+                try:
+                    await ctx.get_remote_mem(9, timeout=120)
+                except aiohixl.HixlError as exc:
+                    waiting.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait_for_a_rank_that_never_comes)
+                await anyio.sleep(0.2)
+                host.kill()
+                t0 = time.monotonic()
+                with anyio.fail_after(30):  # not a hang: the waiter is told
+                    while not waiting:
+                        await anyio.sleep(0.02)
+            assert time.monotonic() - t0 < 30
+            exc = waiting[0]
+            assert isinstance(exc, aiohixl.StoreLost) and isinstance(exc, aiohixl.ConnectionLost)
+            assert store["url"] in str(exc), exc
+            with pytest.raises(aiohixl.StoreLost, match="127.0.0.1"):
+                await ctx.barrier(timeout=60)
+            with pytest.raises(aiohixl.StoreLost):
+                await ctx.get_remote_mem(0, timeout=60)
+    finally:
+        await host.aclose()
+
+
+async def test_a_second_live_process_claiming_a_rank_is_refused(store):
+    worker = await Worker.start(store, "3:prefill,0:prefill")
+    try:
+        with pytest.raises(aiohixl.RankConflict, match=rf"rank 3 .*held by a live process.*pid {worker.ready['pid']}"):
+            await init(store, 3)
+        # the holder is untouched
+        assert (await worker.cmd(op="ranks"))["ranks"] == [0, 3]
+    finally:
+        await worker.aclose()
+
+
+async def test_unknown_rank_and_unknown_region_name_what_the_store_holds(store):
+    async with await init(store, 0) as ctx, await init(store, 4, "decode") as other:
+        other.allocate_registered(4096, name="kv")
+        with pytest.raises(aiohixl.UnknownRank, match=r"no rank 42 .*ranks 0 \(prefill\), 4 \(decode\)"):
+            await ctx.get_remote_mem(42, timeout=0.5)
+        with pytest.raises(aiohixl.UnknownRank, match=r"rank 4 \(decode\).*no region 'weights'.*\['kv'\]"):
+            await ctx.get_remote_mem(4, name="weights", timeout=1)
+        with pytest.raises(aiohixl.OutOfBounds, match="8192 bytes.*4096"):
+            await ctx.get_remote_mem(4, 8192, timeout=10)
+        with pytest.raises(aiohixl.RendezvousTimeout, match="2 of 3 ranks"):
+            await ctx.wait_ranks(3, timeout=0.3)
+
+
+async def test_an_unreachable_store_is_a_connect_timeout_naming_it(store):
+    url = f"tcp://127.0.0.1:{free_port()}" if store["kind"] == "tcp" else f"redis://127.0.0.1:{free_port()}/0"
+    t0 = time.monotonic()
+    with pytest.raises(aiohixl.ConnectTimeout, match=url):
+        await aiohixl.init(1, "decode", url, token=TOKEN, timeout=1.0)
+    assert time.monotonic() - t0 < 30
+
+
+async def test_a_wrong_token_is_an_authentication_error(store):
+    async with await init(store, 0):
+        with pytest.raises(aiohixl.AuthenticationError, match="token"):
+            await init(store, 1, token="not-the-token")
+
+
+async def test_standalone_store_and_the_functional_spelling():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aiohixl", "store", "--listen", f"127.0.0.1:{port}", "--token", TOKEN],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == f"aiohixl store listening on tcp://127.0.0.1:{port}"
+        store = {"url": f"tcp://127.0.0.1:{port}", "job": "default"}
+        a, b = await asyncio.gather(init(store, 0, world_size=2), init(store, 1, "decode", world_size=2))
+        async with a, b:
+            assert not a.hosts_store  # the port was taken by the standalone store: rank 0 is a client
+            kv = b.allocate_registered(1 << 16, access=aiohixl.Access.REMOTE_WRITE | aiohixl.Access.REMOTE_READ)
+            arr = pattern(1 << 16, 3)
+            a.register(arr)
+            remote = await a.get_remote_mem(1, 1 << 16)
+            await aiohixl.put(a, remote, arr, 1 << 15)  # a registered array as the local side
+            await aiohixl.put(a, remote[1 << 15 :], arr[1 << 15 :], notify=b"kv ready")  # a view of it
+            note = await b.agent.notification(timeout=30)
+            assert note.data == b"kv ready" and note.peer == "rank0-prefill"
+            assert bytes(kv.memory) == arr.tobytes()
+            back = a.register(bytearray(16))
+            await aiohixl.get(a, back, remote, 16)
+            assert bytes(back.memory) == arr[:16].tobytes()
+            await asyncio.gather(a.barrier(timeout=30), b.barrier(timeout=30))
+            with pytest.raises(aiohixl.InvalidArgument, match="unregistered bytearray"):
+                await a.put(remote[0:4], bytearray(4))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_bad_arguments_are_refused_before_anything_starts():
+    async def go(**kw):
+        return await aiohixl.init(**kw)
+
+    with pytest.raises(aiohixl.InvalidArgument, match="store="):
+        asyncio.run(go(rank=0, token=TOKEN))
+    with pytest.raises(aiohixl.InvalidArgument, match="not tcp://HOST:PORT"):
+        asyncio.run(go(rank=0, store="http://x:1", token=TOKEN))
+    with pytest.raises(aiohixl.InvalidArgument, match="world_size 2"):
+        asyncio.run(go(rank=2, world_size=2, store="tcp://127.0.0.1:1", token=TOKEN))
+    with pytest.raises(aiohixl.InvalidArgument, match="rank="):
+        asyncio.run(go(store="tcp://127.0.0.1:1", token=TOKEN))
+
+
+def test_the_two_process_example_runs_as_written():
+    env = dict(os.environ, AIOHIXL_STORE=f"tcp://127.0.0.1:{free_port()}")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "ranks_two_processes.py")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "cache intact: True" in proc.stdout and "pushed 4194304 bytes to rank 1" in proc.stdout
+
+
+def test_ranks_under_trio():
+    trio = pytest.importorskip("trio")
+    url = f"tcp://127.0.0.1:{free_port()}"
+
+    async def main() -> None:
+        ctxs: dict[int, aiohixl.Context] = {}
+
+        async def join(rank: int, group: str) -> None:
+            ctxs[rank] = await aiohixl.init(rank, group, url, world_size=2, token=TOKEN)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(join, 0, "prefill")
+            n.start_soon(join, 1, "decode")
+        a, b = ctxs[0], ctxs[1]
+        kv = b.allocate_registered(4096)
+        src = a.register(bytearray(b"t" * 4096))
+        await a.put(await a.get_remote_mem(1, 4096), src, notify=b"trio")
+        assert (await b.agent.notification(timeout=30)).data == b"trio"
+        assert bytes(kv.memory) == bytes(src.memory)
+        async with trio.open_nursery() as n:
+            n.start_soon(a.barrier)
+            n.start_soon(b.barrier)
+        await b.aclose()
+        await a.aclose()
+
+    trio.run(main)
