@@ -385,3 +385,30 @@ async def test_memfd_socket_checks_credentials_and_drops_idle_connections(monkey
         async with aiohixl.Agent("me", token=TOKEN, transports=("shm",)) as me:
             peer = await me.connect(target.address)
             assert await peer.path(await peer.region("kv")) == "shm-memfd"
+
+
+async def test_timeout_raises_and_the_op_still_completes():
+    """A stopped target answers nothing: the caller's timeout fires; once it runs again the op lands."""
+    target = await Target.start(heartbeat=5.0)  # silence is judged after 15 s: far longer than the stop
+    try:
+        await target.alloc("kv", 1 << 20)
+        async with aiohixl.Agent(token=TOKEN, transports=TCP, heartbeat_interval=5.0, heartbeat_timeout=15.0) as agent:
+            peer = await agent.connect(target.address)
+            kv = await peer.region("kv")
+            src = agent.register(pattern(1 << 20, 6))
+            target.proc.send_signal(signal.SIGSTOP)
+            await _stopped(target.proc.pid)
+            try:
+                with pytest.raises(aiohixl.TransferTimeout, match="Peer.put.*may still complete"):
+                    await peer.put(kv, src, timeout=0.2)
+                assert agent.outstanding == 1  # still accounted for
+            finally:
+                target.proc.send_signal(signal.SIGCONT)
+            for _ in range(3000):
+                if not agent.outstanding:
+                    break
+                await asyncio.sleep(0.01)
+            assert agent.outstanding == 0
+            assert await target.hash("kv", 0, 1 << 20) == sha(pattern(1 << 20, 6))
+    finally:
+        await target.aclose()

@@ -46,12 +46,14 @@ class Plan:
     copy_seconds: float = 0.1  # each native copy baseline
     stream_seconds: float = 1.0  # the native tcp stream (iperf3 runs whole seconds)
     rtt_seconds: float = 0.5  # each native round-trip baseline
+    reg_sizes: tuple[int, ...] = (1 << 30, 4 << 30)  # allocate/register throughput, loop stall
 
     @classmethod
     def make(cls, quick: bool, full: bool) -> Plan:
         if quick:
             return cls(
                 bw_sizes=(64 * KiB, 1 * MiB, 16 * MiB),
+                reg_sizes=(256 * MiB,),
                 lat_ops=1000,
                 bw_seconds=0.25,
                 small_ops=4000,
@@ -71,6 +73,7 @@ class Results:
     baselines: dict[str, Any] = field(default_factory=dict)
     transports: dict[str, dict[str, Any]] = field(default_factory=dict)
     peers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    registration: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _fmt_size(n: int) -> str:
@@ -138,6 +141,70 @@ async def _note_delays(agent: Any, n: int) -> list[float]:
 def _summary(delays: list[float]) -> dict[str, float]:
     delays = sorted(delays)
     return {"median_us": statistics.median(delays) * 1e6, "p99_us": delays[int(len(delays) * 0.99)] * 1e6}
+
+
+def _populate_gibps(nbytes: int, memfd: bool) -> float:
+    """The kernel's bulk populate of fresh memory (one madvise on one thread): the limit for registration."""
+    import ctypes
+    import mmap
+
+    fd = os.memfd_create("bench-populate", os.MFD_CLOEXEC) if memfd else -1
+    try:
+        if memfd:
+            os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED if memfd else mmap.MAP_PRIVATE)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        libc = ctypes.CDLL(None, use_errno=True)
+        start = time.perf_counter()
+        rc = libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), 23)  # MADV_POPULATE_WRITE
+        seconds = time.perf_counter() - start
+        del addr
+        mm.close()
+        return float("nan") if rc else nbytes / seconds / (1 << 30)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+async def _loop_lag(stop: asyncio.Event) -> float:
+    """The event loop's longest stall, in seconds, until ``stop`` is set (1 ms sleeps that overrun)."""
+    worst = 0.0
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(0.001)
+        worst = max(worst, time.perf_counter() - t - 0.001)
+    return worst
+
+
+async def registration(sizes: tuple[int, ...], progress: Progress) -> dict[str, dict[str, Any]]:
+    """allocate/register throughput next to the bulk populate of the same size, and the
+    event loop's longest stall while allocate_async faults a pool in."""
+    out: dict[str, dict[str, Any]] = {}
+    async with aiohixl.Agent("bench-registration") as agent:
+        for size in sizes:
+            row: dict[str, Any] = {"populate_memfd_gibps": _populate_gibps(size, True)}
+            start = time.perf_counter()
+            region = agent.allocate(size)
+            row["allocate_gibps"] = size / (time.perf_counter() - start) / (1 << 30)
+            await region.close()
+            row["populate_anon_gibps"] = _populate_gibps(size, False)
+            buf = np.empty(size, dtype=np.uint8)  # malloc'd, not yet touched
+            start = time.perf_counter()
+            region = agent.register(buf)
+            row["register_gibps"] = size / (time.perf_counter() - start) / (1 << 30)
+            await region.close()
+            del buf
+            stop = asyncio.Event()
+            task = asyncio.create_task(_loop_lag(stop))
+            start = time.perf_counter()
+            region = await agent.allocate_async(size)
+            row["allocate_async_gibps"] = size / (time.perf_counter() - start) / (1 << 30)
+            stop.set()
+            row["allocate_async_max_stall_ms"] = await task * 1e3
+            await region.close()
+            out[f"{size >> 20} MiB" if size < (1 << 30) else f"{size >> 30} GiB"] = row
+            progress.step(f"registration {size >> 20} MiB")
+    return out
 
 
 async def notify_latency(
@@ -505,6 +572,20 @@ def render(r: Results) -> str:
         "",
     ]
     lines += render_baselines(b)
+    if r.registration:
+        lines += ["", "registration (GiB/s; limit: the kernel's bulk populate of the same size, one thread):"]
+        for size, v in r.registration.items():
+            alloc, memfd = v["allocate_gibps"], v["populate_memfd_gibps"]
+            reg, anon = v["register_gibps"], v["populate_anon_gibps"]
+            lines.append(
+                f"  {size:>7}  allocate {alloc:5.2f} ({alloc / memfd:.2f}x memfd populate {memfd:.2f})"
+                f"   register {reg:5.2f} ({reg / anon:.2f}x anon populate {anon:.2f})"
+            )
+            lines.append(
+                f"           allocate_async {v['allocate_async_gibps']:5.2f}"
+                f" ({v['allocate_async_gibps'] / v['populate_memfd_gibps']:.2f}x), longest event-loop stall"
+                f" {v['allocate_async_max_stall_ms']:.1f} ms"
+            )
     flagged = 0
     for name, t in r.transports.items():
         lines += ["", f"{name} (path: {t['path']}):", "  latency            median      p99"]
@@ -613,6 +694,7 @@ async def bench(args: argparse.Namespace) -> Results:
     )
     steps = 5 + 4 * len(plan.bw_sizes) + len(transports) * (2 * len(plan.lat_sizes) + len(plan.bw_sizes) + 3) + 1
     steps += len(PEER_RUNS) if args.peers else 0
+    steps += len(plan.reg_sizes)
     progress = Progress(steps)
 
     def measure_baselines(with_iperf3: bool) -> dict[str, Any]:
@@ -627,6 +709,7 @@ async def bench(args: argparse.Namespace) -> Results:
         )
 
     passes = [measure_baselines(True)]
+    results.registration = await registration(plan.reg_sizes, progress)
     max_size = max(plan.bw_sizes) * (plan.inflight if max(plan.bw_sizes) <= 16 * MiB else 1)
     target = TargetProcess(max(max_size, MiB)) if any(t != "loopback" for t in transports) else None
     try:
