@@ -7,6 +7,7 @@ futures and ``add_reader``; trio gets one system task blocked on the fd.
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,33 @@ class Backend:
         return True
 
 
+class OpFuture(asyncio.Future):
+    """The Future an op resolves, which is also a coroutine.
+
+    ``gather``/``wait_for``/``await`` take it as a Future (no Task per op);
+    ``create_task`` takes it as a coroutine, as it did when ops were coroutines.
+    """
+
+    _steps: Any = None
+
+    def send(self, value: Any) -> Any:
+        if self._steps is None:
+            self._steps = self.__await__()
+        return self._steps.send(value)
+
+    def throw(self, *exc: Any) -> Any:
+        if self._steps is None:
+            self._steps = self.__await__()
+        return self._steps.throw(*exc)
+
+    def close(self) -> None:
+        if self._steps is not None:
+            self._steps.close()
+
+
+collections.abc.Coroutine.register(OpFuture)
+
+
 class AsyncioBackend(Backend):
     name = "asyncio"
 
@@ -56,7 +84,7 @@ class AsyncioBackend(Backend):
             self.loop.remove_reader(fd)
 
     def new_waiter(self) -> asyncio.Future:
-        return self.loop.create_future()
+        return OpFuture(loop=self.loop)
 
     def resolve(self, waiter: asyncio.Future, exc: BaseException | None) -> None:
         if waiter.done():  # the awaiting task was cancelled

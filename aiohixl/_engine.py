@@ -34,6 +34,9 @@ class OpOwner(Protocol):
 
     def op_ended(self, tag: int) -> None: ...
 
+    def op_failed(self, exc: BaseException) -> None:
+        """Told before the op's waiter gets ``exc`` (a peer learns its path broke)."""
+
 
 class _Op:
     __slots__ = ("waiter", "keep", "what", "owner", "tag")
@@ -202,7 +205,13 @@ class Engine:
                 self.completed += 1
                 self._ended(op)
                 status = c.status
-                backend.resolve(op.waiter, None if status == 0 else status_error(status, op.what))
+                if status == 0:
+                    backend.resolve(op.waiter, None)
+                    continue
+                exc = status_error(status, op.what)
+                if op.owner is not None:
+                    op.owner.op_failed(exc)
+                backend.resolve(op.waiter, exc)
             if n < _DRAIN_BATCH:
                 break
         if self._slot_waiters and len(self._ops) < self.capacity:

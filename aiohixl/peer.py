@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from typing import Any, Protocol, Union
 
 import anyio
@@ -272,7 +272,7 @@ class Peer:
 
     # ---- ops ----
 
-    async def put(
+    def put(
         self,
         remote: RemoteRef,
         local: LocalRef,
@@ -280,20 +280,58 @@ class Peer:
         timeout: float | None = None,
         notify: bytes | None = None,
         imm: int | None = None,
-    ) -> None:
-        """Write ``local`` into ``remote``. Returns once the bytes are in the peer's memory.
+    ) -> Awaitable[None]:
+        """Write ``local`` into ``remote``; await it: it finishes once the bytes are in the peer's memory.
 
         ``notify`` (up to 4 KiB): the target's ``agent.notification()`` yields it
         once every byte of this put is in place (and never if the put fails); the
         call returns once it is queued there. ``imm`` (verbs only): send the last
         write as an RDMA WRITE WITH IMM, which the target's ``notification()``
         yields with ``.imm`` set.
-        """
-        await self._transfer(lib.HX_OP_PUT, ((remote, local),), timeout, "Peer.put", imm, notify)
 
-    async def get(self, local: LocalRef, remote: RemoteRef, *, timeout: float | None = None) -> None:
-        """Read ``remote`` into ``local``. Returns once the bytes are in local memory."""
-        await self._transfer(lib.HX_OP_GET, ((remote, local),), timeout, "Peer.get")
+        Under asyncio a plain put on a path already set up is checked and posted
+        at the call and returns its Future (``gather`` takes it as it is: no Task
+        per op); a refusal is raised at the call.
+        """
+        if timeout is None and notify is None and imm is None:
+            future = self._post_now(lib.HX_OP_PUT, remote, local, "Peer.put")
+            if future is not None:
+                return future
+        return self._transfer(lib.HX_OP_PUT, ((remote, local),), timeout, "Peer.put", imm, notify)
+
+    def get(self, local: LocalRef, remote: RemoteRef, *, timeout: float | None = None) -> Awaitable[None]:
+        """Read ``remote`` into ``local``; await it: it finishes once the bytes are in local memory.
+
+        Posted at the call under asyncio, like ``put``."""
+        if timeout is None:
+            future = self._post_now(lib.HX_OP_GET, remote, local, "Peer.get")
+            if future is not None:
+                return future
+        return self._transfer(lib.HX_OP_GET, ((remote, local),), timeout, "Peer.get")
+
+    def _post_now(self, opcode: int, remote: Any, local: Any, what: str) -> Any:
+        """The op's Future, posted now, when nothing needs awaiting first: asyncio, room in
+        the ring, the path of its region known. None otherwise (the coroutine path does it)."""
+        engine = self.agent.engine
+        backend = engine.backend
+        if backend is None or backend.name != "asyncio" or engine.full or not backend.is_current():
+            return None
+        self._check_open(what)
+        checked = self._checked(opcode, ((remote, local),), what)
+        if checked:
+            link = self._one_route
+            if link is None:
+                rr = checked[0][0].region
+                route = self._routes.get((rr.id, rr.key))
+                if route is None:
+                    return None  # its path is set up on first use: that awaits
+                link = route[0]
+            waiters = link.post(engine, opcode, checked, what, self, None)
+            if waiters:
+                return waiters[0]
+        done = backend.new_waiter()  # finished inline (or nothing to move)
+        backend.resolve(done, None)
+        return done
 
     async def put_many(
         self,
@@ -494,6 +532,10 @@ class Peer:
                 self._release_fences()
         if self._ops == 0 and self._free_pending:
             self.free()
+
+    def op_failed(self, exc: BaseException) -> None:
+        if isinstance(exc, HixlError):
+            self._explain(exc, "")
 
     def _release_fences(self) -> None:
         oldest = min(self._epoch_ops, default=self._epoch)

@@ -218,9 +218,9 @@ async def test_ten_thousand_concurrent_ops(agent):
     dst = await peer.region("dst")
     bigdst = await peer.region("bigdst")
     # mix inline ops with ops on the copy pool so both completion paths are counted
+    before = agent.engine.completed  # (under asyncio a put is posted at the call)
     ops = [peer.put(dst[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(n)]
     ops += [peer.put(bigdst[i << 20 : (i + 1) << 20], big_src) for i in range(100)]
-    before = agent.engine.completed
     results = await asyncio.gather(*ops)
     assert results == [None] * len(ops)
     assert np.array_equal(dst_arr, src_arr)
