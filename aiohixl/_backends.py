@@ -18,6 +18,7 @@ __all__ = ["Backend", "current_backend"]
 
 class Backend:
     name: str
+    done: Any = None  # asyncio: a done future that ops finished inline return
 
     def watch(self, fd: int, on_readable: Callable[[], None]) -> None: ...
     def unwatch(self, fd: int) -> None: ...
@@ -47,6 +48,8 @@ class OpFuture(asyncio.Future):
 
     def send(self, value: Any) -> Any:
         if self._steps is None:
+            if self.done():  # no state kept: one done future serves every op that finished inline
+                raise StopIteration(self.result())
             self._steps = self.__await__()
         return self._steps.send(value)
 
@@ -69,6 +72,9 @@ class AsyncioBackend(Backend):
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task] = set()
+        # What an op that finished inline returns: awaiting a done future costs nothing.
+        self.done = OpFuture(loop=self.loop)
+        self.done.set_result(None)
 
     def is_current(self) -> bool:
         try:

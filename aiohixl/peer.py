@@ -316,22 +316,22 @@ class Peer:
         backend = engine.backend
         if backend is None or backend.name != "asyncio" or engine.full or not backend.is_current():
             return None
-        self._check_open(what)
-        checked = self._checked(opcode, ((remote, local),), what)
-        if checked:
+        if self.closed or self._broken is not None:
+            self._check_open(what)
+        self.agent.check_open(what)
+        rs, ls = self._check(opcode == lib.HX_OP_PUT, remote, local, what)
+        if rs.nbytes:
             link = self._one_route
             if link is None:
-                rr = checked[0][0].region
+                rr = rs.region
                 route = self._routes.get((rr.id, rr.key))
                 if route is None:
                     return None  # its path is set up on first use: that awaits
                 link = route[0]
-            waiters = link.post(engine, opcode, checked, what, self, None)
-            if waiters:
-                return waiters[0]
-        done = backend.new_waiter()  # finished inline (or nothing to move)
-        backend.resolve(done, None)
-        return done
+            waiter = link.post_one(engine, opcode, rs, ls, what, self)
+            if waiter is not None:
+                return waiter
+        return backend.done  # finished inline (or nothing to move)
 
     async def put_many(
         self,
@@ -439,33 +439,40 @@ class Peer:
         await backend.wait(waiter)
 
     def _checked(self, opcode: int, pairs: tuple[tuple[Any, Any], ...], what: str) -> list[Pair]:
-        """Each pair checked as far as this side can: lengths, ownership, rights, liveness."""
+        """Each pair checked as far as this side can (``_check``); empty ones dropped."""
         put = opcode == lib.HX_OP_PUT
-        need = 1 if put else 2  # Access.REMOTE_WRITE / REMOTE_READ, as plain ints: this is the hot path
         checked = []
         for remote, local in pairs:
-            rs = self._remote_slice(remote, what)
-            ls = _local_slice(local, what)
-            region = ls.region
-            if region.agent.id != self.agent.id:
-                raise InvalidArgument(f"{what}: local region {region.label()} belongs to another agent")
-            if region.closed:
-                region.check_open(what)
-            if rs.nbytes != ls.nbytes:
-                raise LengthMismatch(f"{what}: remote range is {rs.nbytes} bytes, local range is {ls.nbytes} bytes")
-            rr = rs.region
-            if rr.id in self._withdrawn:
-                raise RegionUnavailable(f"{what}: {self.label} withdrew remote region {rr.label()}")
-            if not rr.rights & need:
-                raise AccessDenied(
-                    f"{what}: remote region {rr.label()} was registered without {Access(need).name}"
-                    " (register() gives peers no access unless access= says so)"
-                )
-            if not put and region.readonly:
-                raise AccessDenied(f"{what}: local region {region.label()} is read-only")
-            if rs.nbytes:
-                checked.append((rs, ls))
+            pair = self._check(put, remote, local, what)
+            if pair[0].nbytes:
+                checked.append(pair)
         return checked
+
+    def _check(self, put: bool, remote: Any, local: Any, what: str) -> Pair:
+        """One pair checked as far as this side can: lengths, ownership, rights, liveness."""
+        rs = remote if type(remote) is RemoteSlice else self._remote_slice(remote, what)
+        if rs.region.agent_id != self.remote_id:
+            self._remote_slice(remote, what)  # raises, naming it
+        ls = local if type(local) is RegionSlice else _local_slice(local, what)
+        region = ls.region
+        if region.agent.id != self.agent.id:
+            raise InvalidArgument(f"{what}: local region {region.label()} belongs to another agent")
+        if region.closed:
+            region.check_open(what)
+        if rs.nbytes != ls.nbytes:
+            raise LengthMismatch(f"{what}: remote range is {rs.nbytes} bytes, local range is {ls.nbytes} bytes")
+        rr = rs.region
+        need = 1 if put else 2  # Access.REMOTE_WRITE / REMOTE_READ, as plain ints: this is the hot path
+        if rr.id in self._withdrawn:
+            raise RegionUnavailable(f"{what}: {self.label} withdrew remote region {rr.label()}")
+        if not rr.rights & need:
+            raise AccessDenied(
+                f"{what}: remote region {rr.label()} was registered without {Access(need).name}"
+                " (register() gives peers no access unless access= says so)"
+            )
+        if not put and region.readonly:
+            raise AccessDenied(f"{what}: local region {region.label()} is read-only")
+        return rs, ls
 
     async def _group(self, checked: list[Pair], what: str) -> dict[tuple[Link, str], list[Pair]]:
         """Pairs by route: one native submission reaches its regions one way (e.g. all mapped)."""

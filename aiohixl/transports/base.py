@@ -187,22 +187,25 @@ class Link:
         self, engine: Engine, opcode: int, group: list[Pair], what: str, owner: OpOwner, imm: int | None
     ) -> list[Any]:
         """Post one group of checked pairs; the waiters of what did not finish inline."""
-        sges = self.pack(group)
-        waiter = engine.post(self.handle, opcode, sges, len(group), _keep(group), what, owner)
+        if len(group) == 1:
+            waiter = self.post_one(engine, opcode, *group[0], what, owner)
+        else:
+            waiter = engine.post(self.handle, opcode, self.pack(group), len(group), _keep(group), what, owner)
         return [] if waiter is None else [waiter]
+
+    def post_one(self, engine: Engine, opcode: int, rs: RemoteSlice, ls: RegionSlice, what: str, owner: OpOwner) -> Any:
+        """Post one checked pair; its waiter, or None when it finished inline."""
+        sge = self._one_sge  # read by the native side during the call only
+        sge.local_region = ls.region.id
+        sge.remote_region = rs.region.id
+        sge.local_off = ls.offset
+        sge.remote_off = rs.offset
+        sge.len = rs.nbytes
+        sge.remote_key = rs.region.key
+        return engine.post(self.handle, opcode, sge, 1, (ls.region,), what, owner)
 
     def pack(self, group: list[Pair]) -> Any:
         """The native scatter list of a group: local region/offset <-> remote region/offset."""
-        if len(group) == 1:
-            sges = self._one_sge
-            rs, ls = group[0]
-            sges.local_region = ls.region.id
-            sges.remote_region = rs.region.id
-            sges.local_off = ls.offset
-            sges.remote_off = rs.offset
-            sges.len = rs.nbytes
-            sges.remote_key = rs.region.key
-            return sges
         sges = ffi.new("hx_sge[]", len(group))
         for sge, (rs, ls) in zip(sges, group, strict=True):
             sge.local_region = ls.region.id
@@ -241,4 +244,4 @@ class Link:
 
 
 def _keep(group: list[Pair]) -> tuple[Region, ...]:
-    return tuple(ls.region for _, ls in group) if len(group) > 1 else (group[0][1].region,)
+    return tuple(ls.region for _, ls in group)

@@ -59,6 +59,10 @@ class VerbsLink(Link):
         self._rkeys[info.region_id] = int.from_bytes(key, "little")
         return self.name
 
+    def post_one(self, engine: Any, opcode: int, rs: Any, ls: Any, what: str, owner: Any) -> Any:
+        waiters = self.post(engine, opcode, [(rs, ls)], what, owner, None)
+        return waiters[0] if waiters else None
+
     def post(self, engine: Any, opcode: int, group: list[Pair], what: str, owner: Any, imm: int | None) -> list[Any]:
         """One WR chain per 128 pairs, in order; ``imm`` rides on the very last write."""
         waiters = []
