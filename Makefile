@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard _native/* _native/*/*)
 	$(PY) -m pip install -q -e '.[test,lint]'
 ifeq ($(WITH_TORCH),1)
 	$(PY) -m pip install -q '$(TORCH_SPEC)' || echo "torch not installed: torch tests will skip"
+	$(PY) -m pip install -q -e '.[demo]' || echo "demo extra not installed: the PD serving tests will skip"
 endif
 	touch $@
 
