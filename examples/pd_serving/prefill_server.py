@@ -318,7 +318,8 @@ def make_app(server: PrefillServer) -> web.Application:
 
 async def main(args: argparse.Namespace) -> None:
     token()
-    ctx = await aiohixl.init(rank=args.rank, group="prefill", store=args.store)
+    transports = "auto" if args.transports == "auto" else tuple(args.transports.split(","))
+    ctx = await aiohixl.init(rank=args.rank, group="prefill", store=args.store, transports=transports)
     async with ctx:
         server = PrefillServer(ctx, args.max_tokens, args.slots, args.discover_timeout)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
@@ -346,6 +347,7 @@ if __name__ == "__main__":
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--slots", type=int, default=3, help="requests staged at once")
+    ap.add_argument("--transports", default="auto", help='"auto" (shm on one host) or e.g. "tcp"')
     ap.add_argument("--discover-timeout", type=float, default=5.0, help="how long to wait for a decode server")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     asyncio.run(main(ap.parse_args()))

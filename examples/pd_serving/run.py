@@ -41,7 +41,10 @@ from common import MODES, free_port, token  # noqa: E402
 class Cluster:
     """The two servers as child processes; ``restart_decode`` after ``kill_decode``."""
 
-    def __init__(self, blocks: int = 512, max_tokens: int = 2048, log_dir: Path | None = None) -> None:
+    def __init__(
+        self, blocks: int = 512, max_tokens: int = 2048, log_dir: Path | None = None, transports: str = "auto"
+    ) -> None:
+        self.transports = transports
         token()  # AIOHIXL_TOKEN for both children
         self.store = f"tcp://127.0.0.1:{free_port()}"
         self.blocks, self.max_tokens = blocks, max_tokens
@@ -68,7 +71,9 @@ class Cluster:
 
     def start(self) -> Cluster:
         # The prefill server is rank 0: it serves the store, so it starts first.
-        self.prefill, self.prefill_url = self._start("prefill_server.py", "--max-tokens", str(self.max_tokens))
+        self.prefill, self.prefill_url = self._start(
+            "prefill_server.py", "--max-tokens", str(self.max_tokens), "--transports", self.transports
+        )
         self.start_decode()
         return self
 
@@ -168,10 +173,12 @@ def check_exact(records: list[dict], reqs: list[list[int]], max_new: int) -> Non
 
 
 def table(records: list[dict], modes: list[str]) -> str:
-    """Per prompt length (the mean over its requests): TTFT and transfer time side by side."""
+    """Per prompt length (the mean over its requests): TTFT, KV transfer time and its exposed part
+    (after the forward pass ended: what the transfer adds to TTFT) side by side for every mode."""
     lines = []
     head = f"{'prompt':>6} {'KV MiB':>7} |" + "".join(f" {'TTFT ' + m:>14}" for m in modes) + " |"
-    head += "".join(f" {'xfer ' + m:>14}" for m in modes) + " | overlap(lw) | dec tok/s | exact"
+    head += "".join(f" {'xfer ' + m:>14}" for m in modes) + " |"
+    head += "".join(f" {'exposed ' + m:>17}" for m in modes) + " | overlap(lw) | dec tok/s | exact"
     lines.append(head)
     lines.append("-" * len(head))
     for n in sorted({r["prompt_len"] for r in records}):
@@ -186,6 +193,7 @@ def table(records: list[dict], modes: list[str]) -> str:
         kv = max((r["kv_bytes"] for m in modes for r in rows[m]), default=0) / 2**20
         line = f"{n:>6} {kv:>7.2f} |" + "".join(f" {mean(m, 'ttft_ms'):>11.1f} ms" for m in modes) + " |"
         line += "".join(f" {mean(m, 'transfer_ms'):>11.2f} ms" for m in modes) + " |"
+        line += "".join(f" {mean(m, 'exposed_ms'):>14.2f} ms" for m in modes) + " |"
         lw = "layerwise" if "layerwise" in modes else modes[0]
         rate = sum(mean(m, "decode_tok_s") for m in modes) / len(modes)
         exact = all(r.get("exact") for r in records if r["prompt_len"] == n)
@@ -200,12 +208,13 @@ def table(records: list[dict], modes: list[str]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="128,512,1024,2048", help="prompt lengths in tokens")
-    ap.add_argument("--repeat", type=int, default=1, help="requests per prompt length (per mode)")
+    ap.add_argument("--repeat", type=int, default=2, help="requests per prompt length (per mode)")
     ap.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--blocks", type=int, default=512, help="decode pool size in blocks of 16 tokens")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--transports", default="auto", help='the prefill agent\'s: "auto" (shm here) or "tcp"')
     ap.add_argument("--json", help="write every request's figures and the table here")
     ap.add_argument("--logs", help="a folder for the servers' stderr")
     args = ap.parse_args()
@@ -218,7 +227,7 @@ def main() -> int:
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    with Cluster(blocks=args.blocks, max_tokens=max(lengths), log_dir=log_dir) as cluster:
+    with Cluster(args.blocks, max(lengths), log_dir, args.transports) as cluster:
         print(f"prefill {cluster.prefill_url}, decode {cluster.decode_url}, store {cluster.store}", flush=True)
         records = asyncio.run(workload(cluster.prefill_url, reqs, args.max_new_tokens, modes, args.concurrency))
     check_exact(records, reqs, args.max_new_tokens)
