@@ -1,4 +1,6 @@
 # make test      set up .venv, build the native module, run the test suite
+# make demo      PD-disaggregated serving end to end (examples/pd_serving/run.py): a real model,
+#                an aiohttp prefill server, a FastAPI decode server, layer-wise KV push vs baselines
 # make example   run examples/quickstart.py
 # make lint      ruff (lint + format), mypy, clang-format: all must be clean
 # WITH_TORCH=1   also install torch (CPU) so the torch tests run instead of skipping
@@ -9,7 +11,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-asan example lint clean
+.PHONY: venv test test-asan example demo lint clean
 
 venv: $(STAMP)
 
@@ -19,6 +21,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard _native/* _native/*/*)
 	$(PY) -m pip install -q -e '.[test,lint]'
 ifeq ($(WITH_TORCH),1)
 	$(PY) -m pip install -q '$(TORCH_SPEC)' || echo "torch not installed: torch tests will skip"
+	$(PY) -m pip install -q -e '.[demo]' || echo "demo extra not installed: the PD serving tests will skip"
 endif
 	touch $@
 
@@ -48,6 +51,13 @@ test-asan: venv
 
 example: venv
 	$(PY) examples/quickstart.py
+
+# torch (CPU) first, then the demo extra (transformers, aiohttp, fastapi, uvicorn, prometheus_client)
+DEMO_ARGS ?=
+demo: venv
+	@$(PY) -c 'import torch, transformers, aiohttp, fastapi, uvicorn, prometheus_client' 2>/dev/null || \
+		{ $(PY) -m pip install -q '$(TORCH_SPEC)' && $(PY) -m pip install -q -e '.[demo]'; }
+	$(PY) examples/pd_serving/run.py $(DEMO_ARGS)
 
 C_SOURCES = $(shell find _native -name '*.[ch]' | sort)
 lint: venv

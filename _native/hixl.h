@@ -159,6 +159,28 @@ int hx_verbs_post_imm(hx_peer *p, uint64_t op_id, const hx_sge *sges, uint32_t n
  * page faults: the kernel's bulk populate over up to `threads` threads, else
  * page by page (returns 1 then, 0 when the bulk populate did it). Blocks. */
 int hx_prefault(void *addr, uint64_t len, int write, int threads);
+/* Counters kept natively per agent (relaxed atomics, one add per post and
+ * per failure), read in one call. transports[t], t in the order of
+ * hx_transport_name(t): ops posted through this agent's peers of that
+ * transport, their bytes (the sum of the sges' lengths) and errors (posts
+ * refused natively plus ops that completed with a failure). Notifications:
+ * queued here (received), accepted for sending by this agent's peers (sent),
+ * and dropped (hx_agent_notes_dropped). */
+enum { HX_STATS_TRANSPORTS = 4 };
+typedef struct {
+    uint64_t ops;
+    uint64_t bytes;
+    uint64_t errors;
+} hx_transport_stats;
+typedef struct {
+    hx_transport_stats transports[4];
+    uint64_t notes_received;
+    uint64_t notes_sent;
+    uint64_t notes_dropped;
+} hx_stats;
+void hx_agent_stats(hx_agent *a, hx_stats *out);
+/* "loopback", "shm", "tcp", "verbs" for t in [0, HX_STATS_TRANSPORTS); NULL past it. */
+const char *hx_transport_name(int t);
 /* CDEF-END */
 
 #endif

@@ -60,6 +60,7 @@ typedef struct hx_job {
     atomic_int remaining;
     atomic_int status;
     uint32_t nregions;
+    int transport;        /* HX_TRANSPORT_* of the peer: where a failure is counted */
     hx_region *regions[]; /* acquired; released when the job ends */
 } hx_job;
 
@@ -69,6 +70,7 @@ typedef struct hx_peer_ops {
     int (*note)(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len);
     void (*fail)(hx_peer *p, int status);
     void (*destroy)(hx_peer *p);
+    int transport; /* HX_TRANSPORT_*: the slot of the agent's counters (hx_stats) */
 } hx_peer_ops;
 
 struct hx_peer {
@@ -106,8 +108,15 @@ typedef struct hx_transport {
     void (*note_space)(hx_agent *a);
 } hx_transport;
 
-/* The slots of a->state and the order of hx_transports[]. */
+/* The slots of a->state and the order of hx_transports[] (and of hx_stats). */
 enum { HX_TRANSPORT_LOOPBACK, HX_TRANSPORT_SHM, HX_TRANSPORT_TCP, HX_TRANSPORT_VERBS, HX_NTRANSPORTS };
+_Static_assert(HX_NTRANSPORTS == HX_STATS_TRANSPORTS, "hx_stats has one slot per transport");
+
+/* The agent's counters (core/stats.c): relaxed atomics, never a lock. */
+typedef struct hx_counters {
+    atomic_uint_fast64_t ops[HX_NTRANSPORTS], bytes[HX_NTRANSPORTS], errors[HX_NTRANSPORTS];
+    atomic_uint_fast64_t notes_received, notes_sent;
+} hx_counters;
 
 extern const hx_transport hx_loopback_transport, hx_shm_transport, hx_tcp_transport, hx_verbs_transport;
 extern const hx_transport *const hx_transports[HX_NTRANSPORTS];
@@ -138,6 +147,8 @@ struct hx_agent {
     uint32_t note_count, note_cap;
     bool note_blocked; /* a push was refused: someone waits for room */
     uint64_t note_dropped;
+
+    hx_counters stats;
 
     /* per-transport state, opaque here: see hx_transport */
     void *state[HX_NTRANSPORTS];
@@ -197,6 +208,12 @@ int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t 
                  uint32_t n);
 /* core/copy.c: one copy; the remote end is in process pid when pid != 0. */
 int hx_copy_run(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len);
+
+/* core/stats.c: an op of transport t that failed (refused or completed with
+ * an error); a posted op and its bytes are counted by hx_peer_post. */
+void hx_stat_error(hx_agent *a, int t);
+/* core/peer.c: counts a post of n sges that returned rc (also verbs' post_imm). */
+void hx_stat_post(hx_peer *p, const hx_sge *sges, uint32_t n, int rc);
 
 /* core/peer.c */
 void hx_peer_init(hx_peer *p, hx_agent *a, const hx_peer_ops *ops);

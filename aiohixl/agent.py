@@ -130,6 +130,7 @@ class Agent:
         self._peers: set[Peer] = set()
         self._next_region = 1
         self._closed = False
+        self._stats_buf = ffi.new("hx_stats *")
         _OPEN.add(self)
 
     # ---- lifetime ----
@@ -236,6 +237,32 @@ class Agent:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def stats(self) -> dict[str, Any]:
+        """Counters kept natively since the agent was made, read in one call (cheap: no lock).
+
+        ``{"transports": {name: {"ops", "bytes", "errors"}}, "notifications": {"received",
+        "sent", "dropped"}, "outstanding": n}``: ops (and their bytes) posted through this
+        agent's peers per transport, errors (posts refused natively and ops that failed),
+        notifications queued here, sent by this agent's peers, and dropped; ops outstanding
+        now. Checks done in Python before an op reaches the native layer are not counted.
+        """
+        self.check_open("Agent.stats")
+        out = self._stats_buf
+        lib.hx_agent_stats(self.engine.native, out)
+        transports = {}
+        for i, name in enumerate(_STAT_TRANSPORTS):
+            t = out.transports[i]
+            transports[name] = {"ops": int(t.ops), "bytes": int(t.bytes), "errors": int(t.errors)}
+        return {
+            "transports": transports,
+            "notifications": {
+                "received": int(out.notes_received),
+                "sent": int(out.notes_sent),
+                "dropped": int(out.notes_dropped),
+            },
+            "outstanding": self.engine.outstanding,
+        }
 
     @property
     def outstanding(self) -> int:
@@ -579,6 +606,9 @@ class Agent:
         state = "closed" if self._closed else f"{len(self._regions)} regions, {len(self._peers)} peers"
         return f"<Agent {self.name!r} {state}>"
 
+
+# The transports' slots in hx_stats, in the native order.
+_STAT_TRANSPORTS = tuple(ffi.string(lib.hx_transport_name(i)).decode() for i in range(lib.HX_STATS_TRANSPORTS))
 
 # Agents not closed yet: closed (with a ResourceWarning) at interpreter exit,
 # before module teardown and the last garbage collection free things in no order.

@@ -174,6 +174,7 @@ int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t 
     job->nregions = 2 * n;
     job->op_id = op_id;
     job->peer_id = p->id;
+    job->transport = p->ops->transport;
     job->peer_failed = &p->failed;
     atomic_init(&job->status, HX_OK);
 

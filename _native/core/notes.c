@@ -58,6 +58,7 @@ int hx_note_push(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len
     a->note_tail = e;
     a->note_count++;
     pthread_mutex_unlock(&a->note_lock);
+    atomic_fetch_add_explicit(&a->stats.notes_received, 1, memory_order_relaxed);
     hx_wake(a);
     return HX_OK;
 }

@@ -10,6 +10,21 @@ void hx_peer_init(hx_peer *p, hx_agent *a, const hx_peer_ops *ops)
     atomic_init(&p->failed, 0);
 }
 
+/* Counts a post: the op and its bytes once accepted, an error when refused. */
+void hx_stat_post(hx_peer *p, const hx_sge *sges, uint32_t n, int rc)
+{
+    int t = p->ops->transport;
+    if (rc < 0) {
+        hx_stat_error(p->agent, t);
+        return;
+    }
+    uint64_t bytes = 0;
+    for (uint32_t i = 0; i < n; i++)
+        bytes += sges[i].len;
+    atomic_fetch_add_explicit(&p->agent->stats.ops[t], 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&p->agent->stats.bytes[t], bytes, memory_order_relaxed);
+}
+
 int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n)
 {
     if (atomic_load(&p->closed))
@@ -21,7 +36,9 @@ int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uin
         return HX_E_INVAL;
     if (n == 0)
         return HX_E_INVAL;
-    return p->ops->post(p, opcode, op_id, sges, n);
+    int rc = p->ops->post(p, opcode, op_id, sges, n);
+    hx_stat_post(p, sges, n, rc);
+    return rc;
 }
 
 int hx_peer_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len)
@@ -33,7 +50,10 @@ int hx_peer_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, 
         return failed;
     if (len > HX_NOTE_MAX || !p->ops->note)
         return HX_E_INVAL;
-    return p->ops->note(p, op_id, dep, data, len);
+    int rc = p->ops->note(p, op_id, dep, data, len);
+    if (rc >= 0)
+        atomic_fetch_add_explicit(&p->agent->stats.notes_sent, 1, memory_order_relaxed);
+    return rc;
 }
 
 void hx_peer_close(hx_peer *p)

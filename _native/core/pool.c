@@ -9,7 +9,10 @@ static void job_release(hx_agent *a, hx_job *job)
         hx_region_release(job->regions[i]);
     /* Regions are released before the completion is seen, so a region close
      * that waits on the completion never waits on a still-busy region. */
-    hx_complete(a, job->op_id, atomic_load(&job->status));
+    int status = atomic_load(&job->status);
+    if (status != HX_OK)
+        hx_stat_error(a, job->transport);
+    hx_complete(a, job->op_id, status);
     free(job);
 }
 

@@ -53,7 +53,8 @@ static void shm_destroy(hx_peer *p)
     free(s);
 }
 
-static const hx_peer_ops shm_ops = {.post = shm_post, .fail = shm_fail, .destroy = shm_destroy};
+static const hx_peer_ops shm_ops = {
+    .post = shm_post, .fail = shm_fail, .destroy = shm_destroy, .transport = HX_TRANSPORT_SHM};
 
 /* No state per agent: each peer holds its mappings, copies run on the pool. */
 const hx_transport hx_shm_transport = {.name = "shm"};

@@ -35,6 +35,8 @@ static void op_piece_done(hx_agent *a, tcp_op *op, int status)
     if (--op->remaining == 0) {
         for (uint32_t i = 0; i < op->nregions; i++)
             hx_region_release(op->regions[i]);
+        if (op->status != HX_OK)
+            hx_stat_error(a, HX_TRANSPORT_TCP);
         hx_complete(a, op->op_id, op->status);
         free(op);
     }
@@ -203,8 +205,11 @@ static void tcp_destroy(hx_peer *p)
     tcp_io_wake(io);
 }
 
-static const hx_peer_ops tcp_ops = {
-    .post = tcp_post, .note = tcp_note, .fail = tcp_fail, .destroy = tcp_destroy};
+static const hx_peer_ops tcp_ops = {.post = tcp_post,
+                                    .note = tcp_note,
+                                    .fail = tcp_fail,
+                                    .destroy = tcp_destroy,
+                                    .transport = HX_TRANSPORT_TCP};
 
 conn *tcp_conn_add(hx_agent *a, int fd, bool target, uint64_t session, int *status)
 {

@@ -12,6 +12,8 @@ void vb_vop_finish(hx_agent *a, vop *op, int status)
 {
     for (uint32_t i = 0; i < op->nregions; i++)
         hx_region_release(op->regions[i]);
+    if (status != HX_OK)
+        hx_stat_error(a, HX_TRANSPORT_VERBS);
     hx_complete(a, op->op_id, status);
     free(op->wrs);
     free(op->sgl);
@@ -148,7 +150,9 @@ int hx_verbs_post_imm(hx_peer *p, uint64_t op_id, const hx_sge *sges, uint32_t n
         return HX_E_CLOSED;
     vop *op;
     int rc = verbs_build((vqp *)p, HX_OP_PUT, op_id, sges, n, true, imm, &op);
-    return rc == HX_OK ? verbs_submit((vqp *)p, op) : rc;
+    rc = rc == HX_OK ? verbs_submit((vqp *)p, op) : rc;
+    hx_stat_post(p, sges, n, rc);
+    return rc;
 }
 
 /* Ops that were never posted fail at once; posted ones come back flushed. */

@@ -144,7 +144,8 @@ static void verbs_destroy(hx_peer *p)
     pthread_mutex_unlock(&v->lock);
 }
 
-static const hx_peer_ops verbs_ops = {.post = vb_post, .fail = verbs_fail, .destroy = verbs_destroy};
+static const hx_peer_ops verbs_ops = {
+    .post = vb_post, .fail = verbs_fail, .destroy = verbs_destroy, .transport = HX_TRANSPORT_VERBS};
 
 static vqp *vqp_new(hx_agent *a, bool target, uint64_t session)
 {
