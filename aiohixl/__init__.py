@@ -27,7 +27,7 @@ from .errors import (
 from .memory import Access, Region, RegionSlice
 from .notifications import Notification
 from .peer import Peer
-from .ranks import Context, get, init, put
+from .ranks import Context, get, get_remote_mem, init, put
 from .remote import RemoteRegion, RemoteSlice
 
 __version__ = "0.1.0"
@@ -63,6 +63,7 @@ __all__ = [
     "StoreLost",
     "RendezvousTimeout",
     "init",
+    "get_remote_mem",
     "put",
     "get",
     "Context",

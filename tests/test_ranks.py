@@ -49,6 +49,7 @@ def redis_url():
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},  # make test-asan preloads libasan
     )
     try:
         deadline = time.monotonic() + 20
@@ -154,6 +155,16 @@ async def test_eight_ranks_in_four_processes_put_into_every_decode_pool(store):
                 assert mine["senders"] == [f"rank{p}-prefill" for p in range(4)]
                 # every byte: each prefill rank's slot holds that rank's pattern for this target
                 assert mine["slots"] == [sha(pattern(SLOT, p * 1000 + target)) for p in range(4)], target
+        # a barrier of all 8 ranks, across the 4 processes
+        replies: list[dict] = []
+
+        async def barrier(w: Worker) -> None:
+            replies.append(await w.cmd(op="barrier"))
+
+        async with anyio.create_task_group() as tg:
+            for w in workers:
+                tg.start_soon(barrier, w)
+        assert replies == [{"ok": True}] * 4, replies
     finally:
         for w in reversed(workers):  # rank 0 (the tcp store's host) last
             await w.aclose()
@@ -175,7 +186,9 @@ async def test_a_killed_rank_leaves_the_store_and_its_restart_is_reached(store):
                 while 5 in ctx.ranks():
                     await anyio.sleep(0.05)  # (Redis: the lease task reads the store every lease/3 s)
             gone_after = time.monotonic() - t0
-            assert store["kind"] == "redis" or gone_after < 10, gone_after
+            # tcp: the kernel closes the dead process's socket at once; Redis: the lease (2 s) ends
+            # and the lease task (every lease/3 s) reads the store again. Loose bounds: a busy machine.
+            assert gone_after < (10 if store["kind"] == "tcp" else LEASE * 3 + 5), gone_after
             with pytest.raises(aiohixl.ConnectionLost):
                 await ctx.put(remote, src, SLOT)
         finally:
@@ -310,3 +323,44 @@ def test_bad_arguments_are_refused_before_anything_starts():
         asyncio.run(go(rank=2, world_size=2, store="tcp://127.0.0.1:1", token=TOKEN))
     with pytest.raises(aiohixl.InvalidArgument, match="rank="):
         asyncio.run(go(store="tcp://127.0.0.1:1", token=TOKEN))
+
+
+def test_the_two_process_example_runs_as_written():
+    env = dict(os.environ, AIOHIXL_STORE=f"tcp://127.0.0.1:{free_port()}")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "ranks_two_processes.py")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "cache intact: True" in proc.stdout and "pushed 4194304 bytes to rank 1" in proc.stdout
+
+
+def test_ranks_under_trio():
+    trio = pytest.importorskip("trio")
+    url = f"tcp://127.0.0.1:{free_port()}"
+
+    async def main() -> None:
+        ctxs: dict[int, aiohixl.Context] = {}
+
+        async def join(rank: int, group: str) -> None:
+            ctxs[rank] = await aiohixl.init(rank, group, url, world_size=2, token=TOKEN)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(join, 0, "prefill")
+            n.start_soon(join, 1, "decode")
+        a, b = ctxs[0], ctxs[1]
+        kv = b.allocate_registered(4096)
+        src = a.register(bytearray(b"t" * 4096))
+        await a.put(await a.get_remote_mem(1, 4096), src, notify=b"trio")
+        assert (await b.agent.notification(timeout=30)).data == b"trio"
+        assert bytes(kv.memory) == bytes(src.memory)
+        async with trio.open_nursery() as n:
+            n.start_soon(a.barrier)
+            n.start_soon(b.barrier)
+        await b.aclose()
+        await a.aclose()
+
+    trio.run(main)

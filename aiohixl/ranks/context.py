@@ -36,7 +36,7 @@ from .record import MAX_RANK, RankRecord, StoreURL, parse_store_url
 from .store import Store
 from .tcp import StoreServer, TcpStore
 
-__all__ = ["Context", "init", "put", "get"]
+__all__ = ["Context", "init", "get_remote_mem", "put", "get"]
 
 log = logging.getLogger("aiohixl")
 
@@ -210,7 +210,7 @@ class Context:
         """Wait until every rank of ``group`` (every rank when None: ``world_size`` of them if given)
         has entered this barrier. Regions published before it are visible to all after it."""
         self._check("Context.barrier")
-        expected = self.world_size or 0 if group is None else 0
+        expected = (self.world_size or 0) if group is None else 0
         await self.store.barrier(group, expected, timeout, f"Context.barrier(group={group!r})")
 
     # ---- peers ----
@@ -486,6 +486,13 @@ async def _open_store(url: StoreURL, namespace: str, token: bytes, agent: Agent,
 
 
 # ---------- the functional spelling ----------
+
+
+async def get_remote_mem(
+    ctx: Context, rank: int, size: int | None = None, name: str = "kv", timeout: float | None = 30.0
+) -> RemoteRegion:
+    """``aiohixl.get_remote_mem(ctx, rank, size)``: ``ctx.get_remote_mem``."""
+    return await ctx.get_remote_mem(rank, size, name, timeout)
 
 
 async def put(ctx: Context, remote: RemoteRef, local: Any, nbytes: int | None = None, **kw: Any) -> None:
