@@ -25,10 +25,41 @@ def sha(arr) -> str:
     return hashlib.sha256(np.ascontiguousarray(arr)).hexdigest()
 
 
-class Target:
-    def __init__(self, proc, out, address: str) -> None:
+class LineProcess:
+    """A test helper process answering one JSON line per line we send; {"op": "exit"} ends it."""
+
+    EXIT_TIMEOUT = 10.0  # how long a polite exit may take before it is killed
+
+    def __init__(self, proc, out) -> None:
         self.proc = proc
         self.out = out
+
+    async def ask(self, kw: dict, timeout: float) -> dict:
+        await self.proc.stdin.send((json.dumps(kw) + "\n").encode())
+        with anyio.fail_after(timeout):
+            return json.loads(await self.out.receive_until(b"\n", 1 << 20))
+
+    async def cmd(self, **kw) -> dict:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+
+    async def aclose(self) -> None:
+        if self.proc.returncode is None:
+            try:
+                with anyio.fail_after(self.EXIT_TIMEOUT):
+                    await self.cmd(op="exit")
+            except Exception:
+                self.kill()
+        with anyio.CancelScope(shield=True):
+            await self.proc.wait()
+            await self.proc.aclose()
+
+
+class Target(LineProcess):
+    def __init__(self, proc, out, address: str) -> None:
+        super().__init__(proc, out)
         self.address = address
         self.port = int(address.rpartition(":")[2])
 
@@ -74,9 +105,7 @@ class Target:
         return cls(proc, out, first["address"])
 
     async def cmd(self, **kw) -> dict:
-        await self.proc.stdin.send((json.dumps(kw) + "\n").encode())
-        with anyio.fail_after(600 if os.environ.get("SOFTROCE_GUEST") else 60):
-            reply = json.loads(await self.out.receive_until(b"\n", 1 << 20))
+        reply = await self.ask(kw, 600 if os.environ.get("SOFTROCE_GUEST") else 60)
         assert reply.get("ok"), reply
         return reply
 
@@ -87,17 +116,3 @@ class Target:
 
     async def hash(self, name: str, offset: int, length: int) -> str:
         return (await self.cmd(op="hash", name=name, offset=offset, len=length))["sha256"]
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-
-    async def aclose(self) -> None:
-        if self.proc.returncode is None:
-            try:
-                with anyio.fail_after(10):
-                    await self.cmd(op="exit")
-            except Exception:
-                self.kill()
-        with anyio.CancelScope(shield=True):
-            await self.proc.wait()
-            await self.proc.aclose()

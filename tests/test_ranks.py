@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 import aiohixl
 
-from .harness import ROOT, TOKEN, pattern
+from .harness import ROOT, TOKEN, LineProcess, pattern
 
 SLOT = 256 << 10  # what each prefill rank writes into each decode rank's pool
 LEASE = 2.0  # redis lease in these tests: a dead rank's entry is gone within it
@@ -78,11 +77,14 @@ def store(request):
     return {"kind": "redis", "url": request.getfixturevalue("redis_url"), "job": uuid.uuid4().hex[:12]}
 
 
-class Worker:
+class Worker(LineProcess):
     """Some ranks in a process of their own (tests/ranks_worker.py)."""
 
+    EXIT_TIMEOUT = 20.0
+
     def __init__(self, proc, out, ready: dict) -> None:
-        self.proc, self.out, self.ready = proc, out, ready
+        super().__init__(proc, out)
+        self.ready = ready
 
     @classmethod
     async def start(cls, store: dict, ranks: str, world: int | None = None, pool: int = 4 * SLOT, check=True):
@@ -99,23 +101,7 @@ class Worker:
         return cls(proc, out, ready)
 
     async def cmd(self, **kw) -> dict:
-        await self.proc.stdin.send((json.dumps(kw) + "\n").encode())
-        with anyio.fail_after(150):
-            return json.loads(await self.out.receive_until(b"\n", 1 << 20))
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-
-    async def aclose(self) -> None:
-        if self.proc.returncode is None:
-            try:
-                with anyio.fail_after(20):
-                    await self.cmd(op="exit")
-            except Exception:
-                self.kill()
-        with anyio.CancelScope(shield=True):
-            await self.proc.wait()
-            await self.proc.aclose()
+        return await self.ask(kw, 150)
 
 
 def init(store: dict, rank: int, group: str = "prefill", **kw):
