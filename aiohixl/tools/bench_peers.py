@@ -68,7 +68,7 @@ def _say(text: str) -> None:
     _OUT.flush()
 
 
-def _serve(buf: np.ndarray, hello: dict, on_line: Callable[[str], None] | None = None) -> None:
+def _serve(buf: np.ndarray, hello: dict, on_line: Callable[[str], object] | None = None) -> None:
     _say(json.dumps(hello))
     for line in sys.stdin:
         cmd = line.split()
