@@ -211,8 +211,9 @@ class Agent:
 
     @property
     def notifications_dropped(self) -> int:
-        """Notifications that could not be held back and were dropped (verbs immediates
-        arriving while the queue was full); messages are never dropped."""
+        """Notifications the native side received but could not keep: held back (queue
+        full) when their verbs session ended, or no memory to queue them. Senders are held
+        back while the queue is full, so this stays 0 in normal operation."""
         return self._inbox.dropped
 
     async def notes_room(self) -> None:

@@ -74,8 +74,11 @@ class Peer:
         # Carries notifications and heartbeats: one of the links, or a link of its own.
         self.channel = channel or links[0]
         self._own_channel = self.channel not in links
-        # A notification needs no fence when it follows the data on one ordered link.
-        self._ordered = len(links) == 1 and links[0] is self.channel and self.channel.ordered_notes
+        # Every notification goes one way, so they arrive in order: on the preferred
+        # link when it keeps them behind its data (tcp, verbs), else on the channel.
+        self._notes = links[0] if links[0].ordered_notes else self.channel
+        # notify() needs no fence when every op goes the way the notifications do.
+        self._ordered = len(links) == 1 and links[0] is self._notes
         self.remote_id = remote_id
         self.transport = links[0].name
         self.name = name
@@ -392,16 +395,23 @@ class Peer:
             raise InvalidArgument(f"{what}: imm={imm} is not a 32-bit unsigned value")
         if self._one_route is not None and imm is None:
             waiters = self._one_route.post(engine, opcode, checked, what, self, None)
+            behind = self._ordered  # the message can follow this op's data on its link
         else:
             waiters = []
-            for (link, path), group in (await self._group(checked, what)).items():
+            groups = await self._group(checked, what)
+            for (link, path), group in groups.items():
                 if imm is not None and not link.carries_imm:
                     raise InvalidArgument(f"{what}: imm= needs the verbs transport; this op goes over {path}")
                 waiters += link.post(engine, opcode, group, what, self, imm)
-        if notify is not None and self._ordered and waiters:
+            behind = self._notes.ordered_notes and all(link is self._notes for link, _ in groups)
+        refused: HixlError | None = None
+        if notify is not None and behind and waiters:
             # Behind the data on the same ordered connection: the target places
             # the data first, and drops the message if the op was refused.
-            note = self.channel.note(engine, notify, engine.last_op_id, what, self)
+            try:
+                note = self._notes.note(engine, notify, engine.last_op_id, what, self)
+            except HixlError as exc:  # e.g. the data already broke the path: say why, below
+                note, refused = None, exc
             if note is not None and note is not engine.BUSY:
                 waiters.append(note)
             notify = None if note is not engine.BUSY else notify
@@ -410,6 +420,8 @@ class Peer:
                 await engine.wait_all(waiters, timeout, what)
             except HixlError as exc:
                 raise self._explain(exc, what) from None
+            if refused is not None:
+                raise self._explain(refused, what)
         if notify is not None:  # the data has landed; now the message
             await self._send_note(notify, 0, timeout, what)
 
@@ -417,7 +429,7 @@ class Peer:
         engine = self.agent.engine
         while True:
             self._check_open(what)
-            waiter = self.channel.note(engine, data, dep, what, self)
+            waiter = self._notes.note(engine, data, dep, what, self)
             if waiter is not engine.BUSY:
                 break
             await self.agent.notes_room()  # a loopback peer's own queue is full: wait for room

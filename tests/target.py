@@ -100,7 +100,11 @@ async def main() -> None:
                 out.update(in_place=got == digest, peer=note.peer)
             elif op == "collect":
                 notes = [await agent.notification(timeout=cmd.get("timeout", 120)) for _ in range(cmd["n"])]
-                out.update(notes=[[n.peer, n.data.decode()] for n in notes], dropped=agent.notifications_dropped)
+                out.update(
+                    notes=[[n.peer, n.data.decode()] for n in notes],
+                    imms=[n.imm for n in notes],
+                    dropped=agent.notifications_dropped,
+                )
             elif op == "block":
                 time.sleep(cmd["seconds"])  # the event loop stops: a synchronous forward pass
                 out["pending"] = agent.outstanding

@@ -66,8 +66,10 @@ static void on_send_wc(hx_agent *a, hx_verbs *v, struct ibv_wc *wc)
     pthread_mutex_lock(&q->lock);
     q->wr_inflight -= op->nwr;
     q->ops_inflight--;
+    if (op->note_slot >= 0)
+        q->note_free |= 1ull << op->note_slot;
     /* Room freed: post what waits, in order. */
-    while (!q->broken && q->pending_head && q->wr_inflight + q->pending_head->nwr <= SQ_DEPTH) {
+    while (!q->broken && q->pending_head && vb_fits(q, q->pending_head)) {
         vop *next = q->pending_head;
         q->pending_head = next->next;
         if (!q->pending_head)
@@ -85,20 +87,61 @@ static void on_send_wc(hx_agent *a, hx_verbs *v, struct ibv_wc *wc)
     vb_vop_finish(a, op, op->status != HX_OK ? op->status : map_wc_status(wc->status));
 }
 
+/* Queues one received message with the agent; false when its queue is full. */
+static bool deliver(hx_agent *a, vqp *q, const struct vheld *h)
+{
+    const uint8_t *data = h->flags & HX_NOTE_IMM ? NULL : q->rbuf + (size_t)h->slot * HX_NOTE_MAX;
+    uint32_t len = h->flags & HX_NOTE_IMM ? 0 : h->len;
+    uint32_t nbytes = h->flags & HX_NOTE_IMM ? h->len : 0;
+    int rc = hx_note_push(a, q->session, data, len, h->imm, h->flags, nbytes);
+    if (rc == HX_E_BUSY)
+        return false;
+    if (rc != HX_OK)
+        hx_note_dropped(a); /* out of memory: counted, never silent */
+    if (!q->broken)
+        vb_post_recv(q, h->slot);
+    return true;
+}
+
+/* Caller holds v->lock. Delivers q's held messages in order while there is room. */
+static void deliver_held(hx_agent *a, vqp *q)
+{
+    while (q->held_count && deliver(a, q, &q->held[q->held_head])) {
+        q->held_head = (q->held_head + 1) % RQ_DEPTH;
+        q->held_count--;
+    }
+}
+
 static void on_recv_wc(hx_agent *a, hx_verbs *v, struct ibv_wc *wc)
 {
     if (wc->status != IBV_WC_SUCCESS)
         return; /* flushed receives of a QP going away */
     pthread_mutex_lock(&v->lock);
     vqp *q = find_qp(v, wc->qp_num);
-    uint64_t source = q ? q->session : 0;
-    if (q && !q->broken)
-        vb_post_recvs(q, 1);
+    if (q) {
+        bool imm = wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM;
+        struct vheld h = {.slot = (uint32_t)(wc->wr_id & ~RECV_TAG),
+                          .len = wc->byte_len,
+                          .imm = imm ? ntohl(wc->imm_data) : 0,
+                          .flags = imm ? HX_NOTE_IMM : 0};
+        /* Behind held ones, or when the queue is full: held in its buffer,
+         * which is not reposted until the message is delivered. */
+        if (q->held_count || !deliver(a, q, &h))
+            q->held[(q->held_head + q->held_count++) % RQ_DEPTH] = h;
+    }
     pthread_mutex_unlock(&v->lock);
-    /* The sender's write already landed: a full queue can only count it. */
-    if (wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM &&
-        hx_note_push(a, source, NULL, 0, ntohl(wc->imm_data), HX_NOTE_IMM, wc->byte_len) != HX_OK)
-        hx_note_dropped(a);
+}
+
+void vb_note_space(hx_agent *a)
+{
+    hx_verbs *v = V(a);
+    if (!v)
+        return;
+    pthread_mutex_lock(&v->lock);
+    for (vqp *q = v->qps; q; q = q->next_all)
+        if (q->target)
+            deliver_held(a, q);
+    pthread_mutex_unlock(&v->lock);
 }
 
 static int poll_some(hx_agent *a, hx_verbs *v)
@@ -107,8 +150,8 @@ static int poll_some(hx_agent *a, hx_verbs *v)
     int n = ibv_poll_cq(v->cq, 32, wcs);
     for (int i = 0; i < n; i++) {
         /* opcode is undefined in error completions: receives are told apart
-         * by their wr_id of 0. */
-        if (wcs[i].wr_id == 0)
+         * by their wr_id. */
+        if (wcs[i].wr_id & RECV_TAG)
             on_recv_wc(a, v, &wcs[i]);
         else
             on_send_wc(a, v, &wcs[i]);

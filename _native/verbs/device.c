@@ -170,9 +170,7 @@ static void verbs_free(hx_agent *a)
     vqp *q = v->qps;
     while (q) {
         vqp *next = q->next_all;
-        v->api.destroy_qp(q->qp);
-        pthread_mutex_destroy(&q->lock);
-        free(q);
+        vb_qp_free(v, q);
         q = next;
     }
     v->qps = NULL;
@@ -187,6 +185,7 @@ static void verbs_free(hx_agent *a)
     a->state[HX_TRANSPORT_VERBS] = NULL;
 }
 
-const hx_transport hx_verbs_transport = {"verbs", NULL, verbs_shutdown, verbs_free};
+const hx_transport hx_verbs_transport = {
+    .name = "verbs", .shutdown = verbs_shutdown, .free = verbs_free, .note_space = vb_note_space};
 
 #endif

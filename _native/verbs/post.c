@@ -5,6 +5,7 @@
 #ifdef HX_HAVE_VERBS
 #include <arpa/inet.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define MAX_CHAIN (SQ_DEPTH / 2)
 
@@ -17,6 +18,7 @@ void vb_vop_finish(hx_agent *a, vop *op, int status)
     hx_complete(a, op->op_id, status);
     free(op->wrs);
     free(op->sgl);
+    free(op->note);
     free(op);
 }
 
@@ -27,22 +29,41 @@ static void vop_discard(vop *op)
         hx_region_release(op->regions[j]);
     free(op->wrs);
     free(op->sgl);
+    free(op->note);
     free(op);
 }
 
-/* Posts op's chain now. Caller holds q->lock and has checked there is room. */
+bool vb_fits(vqp *q, vop *op) { return q->wr_inflight + op->nwr <= SQ_DEPTH && (!op->note || q->note_free); }
+
+/* Posts op's chain now. Caller holds q->lock and has checked vb_fits. */
 int vb_post_chain(vqp *q, vop *op)
 {
+    int slot = -1;
+    if (op->note) {
+        /* The message goes from a registered send buffer, held until the
+         * SEND completes. */
+        slot = __builtin_ctzll(q->note_free);
+        uint8_t *buf = q->sbuf + (size_t)slot * HX_NOTE_MAX;
+        memcpy(buf, op->note, op->note_len);
+        *op->sgl = (struct ibv_sge){.addr = (uintptr_t)buf, .length = op->note_len, .lkey = q->smr->lkey};
+        op->wrs->num_sge = op->note_len ? 1 : 0;
+    }
     struct ibv_send_wr *bad;
     int rc = ibv_post_send(q->qp, op->wrs, &bad);
     if (rc)
         return rc;
+    if (slot >= 0) {
+        q->note_free &= ~(1ull << slot);
+        op->note_slot = slot;
+    }
     q->wr_inflight += op->nwr;
     q->ops_inflight++;
     free(op->wrs);
     free(op->sgl);
+    free(op->note);
     op->wrs = NULL;
     op->sgl = NULL;
+    op->note = NULL;
     return 0;
 }
 
@@ -67,6 +88,7 @@ static int verbs_build(vqp *q, int opcode, uint64_t op_id, const hx_sge *sges, u
     }
     op->qp = q;
     op->op_id = op_id;
+    op->note_slot = -1;
     op->nwr = nwr;
     op->wrs = wrs;
     op->sgl = sgl;
@@ -122,7 +144,7 @@ static int verbs_submit(vqp *q, vop *op)
         return failed ? failed : HX_E_CONNLOST;
     }
     /* Never overrun the send queue: what does not fit waits, in order. */
-    if (q->pending_head || q->wr_inflight + op->nwr > SQ_DEPTH) {
+    if (q->pending_head || !vb_fits(q, op)) {
         if (q->pending_tail)
             q->pending_tail->next = op;
         else
@@ -153,6 +175,67 @@ int hx_verbs_post_imm(hx_peer *p, uint64_t op_id, const hx_sge *sges, uint32_t n
     rc = rc == HX_OK ? verbs_submit((vqp *)p, op) : rc;
     hx_stat_post(p, sges, n, rc);
     return rc;
+}
+
+/* The send buffers of a QP's notifications, registered on its first. */
+static int note_buffers(vqp *q)
+{
+    hx_verbs *v = V(q->base.agent);
+    pthread_mutex_lock(&q->lock);
+    int rc = HX_OK;
+    if (!q->sbuf) {
+        size_t size = (size_t)NOTE_SLOTS * HX_NOTE_MAX;
+        uint8_t *buf = aligned_alloc(4096, size);
+        struct ibv_mr *mr = buf ? v->api.reg_mr(v->pd, buf, size, IBV_ACCESS_LOCAL_WRITE) : NULL;
+        if (mr) {
+            q->sbuf = buf;
+            q->smr = mr;
+            q->note_free = NOTE_SLOTS == 64 ? ~0ull : (1ull << NOTE_SLOTS) - 1;
+        } else {
+            free(buf);
+            rc = buf ? HX_E_SYS : HX_E_NOMEM;
+        }
+    }
+    pthread_mutex_unlock(&q->lock);
+    return rc;
+}
+
+/* A notification: a SEND after everything posted before it. The QP keeps
+ * it behind earlier WRITEs; the fence also makes it wait for earlier READs.
+ * dep needs nothing here: if that op fails, the QP breaks and the SEND is
+ * flushed, never delivered. */
+int vb_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len)
+{
+    (void)dep;
+    vqp *q = (vqp *)p;
+    int rc = note_buffers(q);
+    if (rc != HX_OK)
+        return rc;
+    vop *op = calloc(1, sizeof *op);
+    struct ibv_send_wr *wr = calloc(1, sizeof *wr);
+    struct ibv_sge *sge = calloc(1, sizeof *sge);
+    uint8_t *copy = malloc(len ? len : 1);
+    if (!op || !wr || !sge || !copy) {
+        free(op);
+        free(wr);
+        free(sge);
+        free(copy);
+        return HX_E_NOMEM;
+    }
+    memcpy(copy, data, len);
+    *op = (vop){.qp = q,
+                .op_id = op_id,
+                .nwr = 1,
+                .note_slot = -1,
+                .note = copy,
+                .note_len = len,
+                .wrs = wr,
+                .sgl = sge};
+    *wr = (struct ibv_send_wr){.wr_id = (uintptr_t)op | 1u,
+                               .sg_list = sge,
+                               .opcode = IBV_WR_SEND,
+                               .send_flags = IBV_SEND_SIGNALED | IBV_SEND_FENCE};
+    return verbs_submit(q, op);
 }
 
 /* Ops that were never posted fail at once; posted ones come back flushed. */

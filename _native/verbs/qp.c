@@ -92,14 +92,45 @@ static uint32_t random_psn(void)
     return (uint32_t)(ts.tv_nsec ^ (ts.tv_sec << 7) ^ getpid()) & 0xffffff;
 }
 
-int vb_post_recvs(vqp *q, int n)
+int vb_post_recv(vqp *q, uint32_t slot)
 {
-    for (int i = 0; i < n; i++) {
-        struct ibv_recv_wr wr = {.wr_id = 0, .sg_list = NULL, .num_sge = 0}, *bad;
-        if (ibv_post_recv(q->qp, &wr, &bad))
-            return -1;
+    struct ibv_sge sge = {.addr = (uintptr_t)(q->rbuf + (size_t)slot * HX_NOTE_MAX),
+                          .length = HX_NOTE_MAX,
+                          .lkey = q->rmr->lkey};
+    struct ibv_recv_wr wr = {.wr_id = RECV_TAG | slot, .sg_list = &sge, .num_sge = 1}, *bad;
+    return ibv_post_recv(q->qp, &wr, &bad) ? -1 : 0;
+}
+
+/* The target's receive buffers, each posted. */
+static int post_receives(hx_verbs *v, vqp *q)
+{
+    size_t size = (size_t)RQ_DEPTH * HX_NOTE_MAX;
+    q->rbuf = aligned_alloc(4096, size);
+    q->rmr = q->rbuf ? v->api.reg_mr(v->pd, q->rbuf, size, IBV_ACCESS_LOCAL_WRITE) : NULL;
+    if (!q->rmr) {
+        VB_FAIL("registering the receive buffers failed: %s", strerror(errno));
+        return -1;
     }
+    for (uint32_t i = 0; i < RQ_DEPTH; i++)
+        if (vb_post_recv(q, i) < 0) {
+            VB_FAIL("ibv_post_recv failed");
+            return -1;
+        }
     return 0;
+}
+
+/* After its QP: the buffers the NIC may have used. */
+void vb_qp_free(hx_verbs *v, vqp *q)
+{
+    v->api.destroy_qp(q->qp);
+    if (q->rmr)
+        v->api.dereg_mr(q->rmr);
+    if (q->smr)
+        v->api.dereg_mr(q->smr);
+    free(q->rbuf);
+    free(q->sbuf);
+    pthread_mutex_destroy(&q->lock);
+    free(q);
 }
 
 /* Caller holds v->lock and knows no op of q is outstanding. Completions
@@ -111,9 +142,9 @@ static void vqp_destroy_locked(hx_verbs *v, vqp *q)
             *pp = q->next_all;
             break;
         }
-    v->api.destroy_qp(q->qp);
-    pthread_mutex_destroy(&q->lock);
-    free(q);
+    if (q->held_count)
+        hx_note_dropped(q->base.agent); /* the session ended with messages held: counted */
+    vb_qp_free(v, q);
 }
 
 static void verbs_fail(hx_peer *p, int status)
@@ -144,8 +175,11 @@ static void verbs_destroy(hx_peer *p)
     pthread_mutex_unlock(&v->lock);
 }
 
-static const hx_peer_ops verbs_ops = {
-    .post = vb_post, .fail = verbs_fail, .destroy = verbs_destroy, .transport = HX_TRANSPORT_VERBS};
+static const hx_peer_ops verbs_ops = {.post = vb_post,
+                                      .note = vb_note,
+                                      .fail = verbs_fail,
+                                      .destroy = verbs_destroy,
+                                      .transport = HX_TRANSPORT_VERBS};
 
 static vqp *vqp_new(hx_agent *a, bool target, uint64_t session)
 {
@@ -204,10 +238,8 @@ int hx_verbs_accept(hx_agent *a, uint64_t session, uint32_t qpn, uint32_t psn, c
     *lqpn = q->qp->qp_num;
     *lpsn = random_psn();
     int rc = connect_qp(v, q->qp, qpn, psn, *lpsn, gid, lid, mtu);
-    if (rc == HX_OK && vb_post_recvs(q, RQ_DEPTH) < 0) {
-        VB_FAIL("ibv_post_recv failed");
+    if (rc == HX_OK && post_receives(v, q) < 0)
         rc = HX_E_SYS;
-    }
     if (rc != HX_OK) {
         pthread_mutex_lock(&q->lock);
         q->broken = true;

@@ -13,6 +13,16 @@
  * ring. A QP in error fails every op outstanding on it: their memory is only
  * released when the flushed completions come back.
  *
+ * Notifications: a message is a SEND posted on the peer's QP after the ops
+ * before it (fenced, so it also waits for earlier READs), from a registered
+ * ring of NOTE_SLOTS buffers; a note that finds no free slot waits in the
+ * pending queue like an op that finds no room. The target keeps RQ_DEPTH
+ * receives of HX_NOTE_MAX bytes posted per QP. RC ordering means a receive
+ * completes only after every earlier WRITE of that QP is placed. When the
+ * agent's queue is full, received messages are held in their buffers, which
+ * are not reposted: once all are held the sender's NIC retries (RNR) and the
+ * sender is held back; nothing is dropped.
+ *
  * Files: loader.c (dlopen, symbol table), device.c (open/close, the
  * transport's hooks), mr.c, qp.c (queue-pair states, the peer's fail and
  * destroy), post.c (build and submit chains), cq.c (the completion thread);
@@ -28,7 +38,10 @@
 #include <stdio.h>
 
 #define SQ_DEPTH 512
-#define RQ_DEPTH 256 /* receives posted for WRITE WITH IMM notifications */
+#define RQ_DEPTH 256  /* receives posted per target QP (SENDs and WRITE WITH IMM) */
+#define NOTE_SLOTS 64 /* registered send buffers per initiator QP */
+/* wr_id of a receive: this bit and the slot (an op's wr_id is a pointer). */
+#define RECV_TAG (1ull << 63)
 
 /* What the last failed call on this thread says (hx_verbs_error). */
 extern __thread char vb_err[256];
@@ -66,6 +79,9 @@ typedef struct vop {
     uint64_t op_id;
     int status;
     uint32_t nwr;
+    int note_slot; /* a notification: its send buffer once posted, else -1 */
+    uint8_t *note; /* a notification's bytes until posted (note_len of them) */
+    uint32_t note_len;
     struct ibv_send_wr *wrs; /* kept until posted (pending ops) */
     struct ibv_sge *sgl;
     uint32_t nregions;
@@ -84,6 +100,18 @@ typedef struct vqp {
     vop *pending_head, *pending_tail; /* waiting for room in the send queue */
     bool broken;
     uint32_t lpsn; /* our starting PSN, told to the other side */
+    /* initiator: the notifications' send buffers (made on the first note) */
+    uint8_t *sbuf;
+    struct ibv_mr *smr;
+    uint64_t note_free; /* a bit per free slot */
+    /* target: the receive buffers, and the messages held in them (in order)
+     * while the agent's queue is full; both under hx_verbs.lock */
+    uint8_t *rbuf;
+    struct ibv_mr *rmr;
+    struct vheld {
+        uint32_t slot, len, imm, flags;
+    } held[RQ_DEPTH];
+    uint32_t held_head, held_count;
 } vqp;
 
 typedef struct hx_verbs {
@@ -118,11 +146,16 @@ void vb_release_mr(void *ctx, void *mr);
 
 /* qp.c */
 void vb_qp_to_error(hx_verbs *v, vqp *q);
-/* Posts n receives (for WRITE WITH IMM); -1 when one fails. */
-int vb_post_recvs(vqp *q, int n);
+/* Destroys q's QP, then frees its buffers and q. */
+void vb_qp_free(hx_verbs *v, vqp *q);
+/* Posts the receive of one buffer; -1 when it fails. */
+int vb_post_recv(vqp *q, uint32_t slot);
 
 /* post.c */
 int vb_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n);
+int vb_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len);
+/* Whether op can be posted now: room in the send queue (and a send buffer). */
+bool vb_fits(vqp *q, vop *op);
 /* Releases op's regions and completes it with status. */
 void vb_vop_finish(hx_agent *a, vop *op, int status);
 /* Posts op's chain now. Caller holds q->lock and has checked there is room. */
@@ -132,6 +165,8 @@ void vb_fail_pending(hx_agent *a, vqp *q, int status);
 
 /* cq.c: the completion thread's body (arg is the agent). */
 void *vb_completion_main(void *arg);
+/* The agent's queue has room: deliver held messages, repost their buffers. */
+void vb_note_space(hx_agent *a);
 
 #endif /* HX_HAVE_VERBS */
 #endif

@@ -47,6 +47,7 @@ def _error() -> str:
 class VerbsLink(Link):
     name = "verbs"
     carries_imm = True
+    ordered_notes = True  # a SEND on the same queue pair, behind the writes
 
     def __init__(self, handle: Any) -> None:
         super().__init__(handle)

@@ -104,6 +104,82 @@ async def test_reconnecting_frees_queue_pairs(pair):
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_notifications_are_sends_on_the_queue_pair_behind_the_data(pair):
+    peer, kv, src, src_arr, target = pair["peer"], pair["kv"], pair["src"], pair["src_arr"], pair["target"]
+    assert peer._notes is peer.links[0] and peer._notes.name == "verbs"  # not the tcp channel
+    sent = pair["agent"].stats()["transports"]["verbs"]["ops"]
+    for i, n in enumerate((1, 4096, 3 << 20)):
+        off = i * 4096
+        message = f"kv:{off}:{n}:{sha(src_arr[i : i + n])}".encode()
+        check = asyncio.create_task(target.cmd(op="take_note", timeout=120))
+        await peer.put(kv[off : off + n], src[i : i + n], notify=message)
+        reply = await check
+        assert reply["in_place"] and reply["peer"] == "initiator", reply
+    # A message alone, 4 KiB of it, after a get: fenced behind the READ.
+    dst = pair["dst"]
+    check = asyncio.create_task(target.cmd(op="collect", n=1, timeout=120))
+    await peer.get(dst[:4096], pair["rsrc"][:4096])
+    await peer.notify(b"x" * 4096)
+    assert (await check)["notes"] == [["initiator", "x" * 4096]]
+    assert pair["agent"].stats()["transports"]["verbs"]["ops"] == sent + 4  # 3 puts and the get
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_full_queue_holds_verbs_senders_back_and_loses_nothing():
+    # 8 slots in the target's queue, 256 receive buffers per queue pair: past
+    # both the sender's NIC waits (RNR) for the target to take messages.
+    target = await Target.start(rdma_timeout=QP_TIMEOUT, max_notes=8)
+    try:
+        await target.alloc("kv", 1 << 20)
+        async with agent(name="sender") as a:
+            peer = await a.connect(target.address)
+            kv = await peer.region("kv")
+            src = a.register(pattern(4096, 1))
+            total = 400
+            sends = []
+            for i in range(total):
+                # odd: a WRITE WITH IMM, held too, never dropped
+                op = peer.put(kv[:64], src[:64], imm=i) if i % 2 else peer.notify(f"m{i}".encode())
+                sends.append(asyncio.create_task(op))
+            await asyncio.sleep(3.0)
+            assert sum(t.done() for t in sends) < total, "a full queue must hold the sender back"
+            reply = await target.cmd(op="collect", n=total, timeout=300)
+            await asyncio.gather(*sends)
+            # Each kind in its order (the tasks race one another, so not interleaved).
+            assert [d for _, d in reply["notes"] if d] == [f"m{i}" for i in range(0, total, 2)]
+            assert [i for i in reply["imms"] if i is not None] == list(range(1, total, 2))
+            assert reply["dropped"] == 0
+            assert peer.broken is None
+    finally:
+        await target.aclose()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_notifications_from_two_verbs_senders_arrive_in_order():
+    target = await Target.start(rdma_timeout=QP_TIMEOUT)
+    try:
+        each = 300
+        async with agent(name="s0") as a0, agent(name="s1") as a1:
+            peers = [await a.connect(target.address) for a in (a0, a1)]
+            collect = asyncio.create_task(target.cmd(op="collect", n=2 * each, timeout=300))
+
+            async def send(k: int) -> None:
+                await asyncio.gather(*(peers[k].notify(f"{k}:{i}".encode()) for i in range(each)))
+
+            await asyncio.gather(send(0), send(1))
+            reply = await collect
+        seen: dict[str, list[int]] = {}
+        for name, data in reply["notes"]:
+            k, i = data.split(":")
+            assert name == f"s{k}"
+            seen.setdefault(k, []).append(int(i))
+        assert seen == {"0": list(range(each)), "1": list(range(each))}
+        assert reply["dropped"] == 0
+    finally:
+        await target.aclose()
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_remote_nic_refuses_a_write_without_rights(pair):
     # Last in the module: an RC error puts the queue pair in error.
     target, peer, src = pair["target"], pair["peer"], pair["src"]
