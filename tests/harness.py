@@ -52,9 +52,19 @@ class LineProcess:
                     await self.cmd(op="exit")
             except Exception:
                 self.kill()
+        hung = False
         with anyio.CancelScope(shield=True):
-            await self.proc.wait()
+            with anyio.move_on_after(self.EXIT_TIMEOUT) as waiting:
+                await self.proc.wait()
+            if waiting.cancelled_caught:  # a hang on exit is a bug to see, not to wait on
+                hung = True
+                self.proc.send_signal(signal.SIGUSR1)  # its Python stacks (faulthandler), into our output
+                await anyio.sleep(1.0)
+                self.kill()
+                await self.proc.wait()
             await self.proc.aclose()
+        if hung:
+            raise AssertionError(f"{type(self).__name__} did not exit within {self.EXIT_TIMEOUT} s of being asked")
 
 
 class Target(LineProcess):

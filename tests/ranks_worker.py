@@ -112,4 +112,8 @@ async def command(ctxs: list, cmd: dict, out: dict) -> None:
 
 
 if __name__ == "__main__":
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks when we hang on exit
     asyncio.run(main())
