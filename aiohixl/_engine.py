@@ -59,6 +59,7 @@ class Engine:
         self.capacity = ring_capacity
         self.fd = lib.hx_agent_wake_fd(native)
         self.backend: Backend | None = None
+        self.loop: Any = None  # the asyncio loop attached to (the fast path posts at the call), else None
         self._ops: dict[int, _Op] = {}
         self._next_id = 1
         self._batch = ffi.new("hx_completion[]", _DRAIN_BATCH)
@@ -87,6 +88,8 @@ class Engine:
         if backend is None:
             backend = self.backend = current_backend()
             backend.watch(self.fd, self.drain)
+            if backend.name == "asyncio":
+                self.loop = backend.loop  # type: ignore[attr-defined]
         elif not backend.is_current():
             raise WrongEventLoop(
                 f"{what}: this agent belongs to the event loop that started it; it cannot be used"

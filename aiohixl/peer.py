@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from asyncio import _get_running_loop
 from collections.abc import Awaitable, Iterable
 from typing import Any, Protocol, Union
 
@@ -311,19 +312,37 @@ class Peer:
 
     def _post_now(self, opcode: int, remote: Any, local: Any, what: str) -> Any:
         """The op's Future, posted now, when nothing needs awaiting first: asyncio, room in
-        the ring, the path of its region known. None otherwise (the coroutine path does it)."""
+        the ring, the path of its region known. None otherwise (the coroutine path does it).
+
+        The hot path of every single put and get: the checks of ``_check`` written out for
+        the usual arguments (slices), ``_check`` itself for anything else or to raise."""
         engine = self.agent.engine
-        backend = engine.backend
-        if backend is None or backend.name != "asyncio" or engine.full or not backend.is_current():
+        loop = engine.loop
+        if loop is None or loop is not _get_running_loop() or len(engine._ops) >= engine.capacity:
             return None
         if self.closed or self._broken is not None:
             self._check_open(what)
         self.agent.check_open(what)
-        rs, ls = self._check(opcode == lib.HX_OP_PUT, remote, local, what)
+        put = opcode == lib.HX_OP_PUT
+        if type(remote) is RemoteSlice and type(local) is RegionSlice:
+            rs, ls = remote, local
+            rr, region = rs.region, ls.region
+            if (
+                rr.agent_id != self.remote_id
+                or (region.agent is not self.agent and region.agent.id != self.agent.id)
+                or region.closed
+                or rs.nbytes != ls.nbytes
+                or rr.id in self._withdrawn
+                or not rr.rights & (1 if put else 2)
+                or (not put and region.readonly)
+            ):
+                rs, ls = self._check(put, remote, local, what)  # raises, naming what is wrong
+        else:
+            rs, ls = self._check(put, remote, local, what)
+            rr = rs.region
         if rs.nbytes:
             link = self._one_route
             if link is None:
-                rr = rs.region
                 route = self._routes.get((rr.id, rr.key))
                 if route is None:
                     return None  # its path is set up on first use: that awaits
@@ -331,7 +350,7 @@ class Peer:
             waiter = link.post_one(engine, opcode, rs, ls, what, self)
             if waiter is not None:
                 return waiter
-        return backend.done  # finished inline (or nothing to move)
+        return engine.backend.done  # finished inline (or nothing to move)
 
     async def put_many(
         self,
