@@ -18,6 +18,8 @@
 #define HX_INLINE_CMA_MAX (256u * 1024u)
 /* Larger copies are shared by the pool's threads and the caller. */
 #define HX_COPY_PIECE_MIN (1024u * 1024u)
+/* Submissions of up to this many pieces keep their bookkeeping on the stack. */
+#define HX_STACK_SGES 4u
 
 /* One cross-memory attach call; what it moved, or a negative status. */
 static ssize_t cma_once(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len)
@@ -240,9 +242,19 @@ int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t 
                  uint32_t n)
 {
     hx_agent *a = p->agent;
-    hx_job *job = calloc(1, sizeof *job + 2 * n * sizeof(hx_region *));
-    uint8_t **dst = malloc(n * sizeof *dst);
-    const uint8_t **src = malloc(n * sizeof *src);
+    /* A few pieces (every single put or get) need nothing from the heap
+     * unless they go to the pool: the job moves there then. */
+    struct {
+        hx_job job;
+        hx_region *regions[2 * HX_STACK_SGES];
+    } on_stack;
+    uint8_t *stack_dst[HX_STACK_SGES];
+    const uint8_t *stack_src[HX_STACK_SGES];
+    bool small = n <= HX_STACK_SGES;
+    hx_job *job =
+        small ? memset(&on_stack, 0, sizeof on_stack) : calloc(1, sizeof *job + 2 * n * sizeof(hx_region *));
+    uint8_t **dst = small ? stack_dst : malloc(n * sizeof *dst);
+    const uint8_t **src = small ? stack_src : malloc(n * sizeof *src);
     int rc = HX_E_NOMEM;
     if (!job || !dst || !src)
         goto out;
@@ -278,6 +290,19 @@ int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t 
         for (uint32_t i = 0; i < job->nregions; i++)
             hx_region_release(job->regions[i]);
         goto out;
+    }
+
+    if (small) {
+        size_t size = sizeof *job + 2 * n * sizeof(hx_region *);
+        hx_job *heap = malloc(size);
+        if (!heap) {
+            for (uint32_t i = 0; i < job->nregions; i++)
+                hx_region_release(job->regions[i]);
+            job = NULL;
+            goto out;
+        }
+        memcpy(heap, job, size); /* atomics not yet shared with any thread */
+        job = heap;
     }
 
     /* Pieces for the pool's threads and for this thread, which would
@@ -327,8 +352,11 @@ int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t 
     hx_pool_run(a, mine);
     rc = HX_POSTED;
 out:
-    free(job);
-    free(dst);
-    free(src);
+    if (job != &on_stack.job)
+        free(job);
+    if (dst != stack_dst) {
+        free(dst);
+        free(src);
+    }
     return rc;
 }

@@ -25,7 +25,7 @@ from ..descriptor import RegionInfo
 from ..memory import Region, RegionSlice
 from ..remote import RemoteSlice
 
-_post1 = lib.hx_peer_post1  # one lookup, not one per op
+post1 = lib.hx_peer_post1  # one lookup, not one per op
 
 Pair = tuple[RemoteSlice, RegionSlice]
 Handler = Callable[[Any], Awaitable[None] | None]
@@ -173,6 +173,8 @@ class Link:
     is_channel: ClassVar[bool] = False
     # Notifications on this link follow its data in order, so need no fence.
     ordered_notes: ClassVar[bool] = False
+    # post_one is Link's own (Peer's fast path writes it out), not a transport's override.
+    plain_post: ClassVar[bool] = True
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
@@ -199,7 +201,7 @@ class Link:
         rr, region = rs.region, ls.region
         op_id = engine.last_op_id = engine._next_id
         engine._next_id = op_id + 1
-        rc = _post1(self.handle, opcode, op_id, region.id, ls.offset, rr.id, rs.offset, rs.nbytes, rr.key)
+        rc = post1(self.handle, opcode, op_id, region.id, ls.offset, rr.id, rs.offset, rs.nbytes, rr.key)
         if rc == 1:  # HX_DONE_INLINE
             engine.completed += 1
             return None

@@ -47,6 +47,7 @@ def _error() -> str:
 class VerbsLink(Link):
     name = "verbs"
     carries_imm = True
+    plain_post = False  # its own post_one: rkeys and addresses, not regions and offsets
 
     def __init__(self, handle: Any) -> None:
         super().__init__(handle)
