@@ -13,7 +13,10 @@
 
 /* Copies at or under this size run on the caller's thread: waking another
  * core (30-40 us each way) costs more than the copy. Cross-memory attach is
- * several times slower than memcpy, so its bound is lower. */
+ * several times slower than memcpy, so its bound is lower for a submission
+ * of several pieces (the pool's threads share them); one piece up to
+ * HX_COPY_PIECE_MIN would be the caller's alone anyway, so it runs inline
+ * too, without a completion through the ring and a wake of the event loop. */
 #define HX_INLINE_COPY_MAX (1024u * 1024u)
 #define HX_INLINE_CMA_MAX (256u * 1024u)
 /* Larger copies are shared by the pool's threads and the caller. */
@@ -279,7 +282,7 @@ int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t 
     uint64_t total = 0;
     for (uint32_t i = 0; i < n; i++)
         total += sges[i].len;
-    if (total <= (pid ? HX_INLINE_CMA_MAX : HX_INLINE_COPY_MAX)) {
+    if (total <= (pid ? HX_INLINE_CMA_MAX : HX_INLINE_COPY_MAX) || (n == 1 && total <= HX_COPY_PIECE_MIN)) {
         /* Cheaper than waking a pool thread and then the event loop. */
         rc = HX_DONE_INLINE;
         for (uint32_t i = 0; i < n && rc == HX_DONE_INLINE; i++) {
