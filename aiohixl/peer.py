@@ -320,7 +320,8 @@ class Peer:
 
         The hot path of every single put and get: the checks of ``_check`` written out for
         the usual arguments (slices), ``_check`` itself for anything else or to raise."""
-        engine = self.agent.engine
+        agent = self.agent
+        engine = agent.engine
         loop = engine.loop
         if loop is None or len(engine._ops) >= engine.capacity:
             return None
@@ -330,7 +331,6 @@ class Peer:
             return None
         if self.closed or self._broken is not None:
             self._check_open(what)
-        agent = self.agent
         if agent._closed:
             agent.check_open(what)
         put = opcode == _PUT
