@@ -101,6 +101,11 @@ int hx_region_remove(hx_agent *a, uint32_t id, int wait);
 
 hx_peer *hx_loopback_new(hx_agent *a, int *status);
 int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n);
+/* hx_peer_post of one piece addressed by region and offset (loopback, shm,
+ * tcp): the scalars of one hx_sge, without building one (the hot path of a
+ * single put or get from Python). */
+int hx_peer_post1(hx_peer *p, int opcode, uint64_t op_id, uint32_t local_region, uint64_t local_off,
+                  uint32_t remote_region, uint64_t remote_off, uint64_t len, uint64_t remote_key);
 /* Fails the peer's queued ops with HX_E_CLOSED; ops already copying finish. */
 void hx_peer_close(hx_peer *p);
 /* Fails every op outstanding on the peer with status (e.g. HX_E_CONNLOST when

@@ -9,6 +9,7 @@ memory in flight alive.
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import nullcontext
 from typing import Any, Protocol
 
@@ -59,6 +60,8 @@ class Engine:
         self.capacity = ring_capacity
         self.fd = lib.hx_agent_wake_fd(native)
         self.backend: Backend | None = None
+        self.loop: Any = None  # the asyncio loop attached to (the fast path posts at the call), else None
+        self.loop_is_base = False  # it is asyncio's own loop: its _thread_id says which thread runs it
         self._ops: dict[int, _Op] = {}
         self._next_id = 1
         self._batch = ffi.new("hx_completion[]", _DRAIN_BATCH)
@@ -87,6 +90,9 @@ class Engine:
         if backend is None:
             backend = self.backend = current_backend()
             backend.watch(self.fd, self.drain)
+            if backend.name == "asyncio":
+                self.loop = backend.loop  # type: ignore[attr-defined]
+                self.loop_is_base = isinstance(self.loop, asyncio.BaseEventLoop) and hasattr(self.loop, "_thread_id")
         elif not backend.is_current():
             raise WrongEventLoop(
                 f"{what}: this agent belongs to the event loop that started it; it cannot be used"

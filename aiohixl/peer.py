@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from asyncio import _get_running_loop
 from collections.abc import Awaitable, Iterable
+from threading import get_ident as _get_ident
 from typing import Any, Protocol, Union
 
 import anyio
@@ -26,7 +28,9 @@ from .errors import (
 from .memory import Access, Region, RegionSlice
 from .notifications import note_bytes
 from .remote import RemoteRegion, RemoteSlice
-from .transports.base import Link, Pair
+from .transports.base import Link, Pair, post1
+
+_PUT, _GET = int(lib.HX_OP_PUT), int(lib.HX_OP_GET)
 
 __all__ = ["Peer"]
 
@@ -40,6 +44,7 @@ class PeerOwner(Protocol):
     id: bytes
     name: str
     engine: Engine
+    _closed: bool
 
     def check_open(self, what: str) -> None: ...
 
@@ -297,7 +302,7 @@ class Peer:
         per op); a refusal is raised at the call.
         """
         if timeout is None and notify is None and imm is None:
-            future = self._post_now(lib.HX_OP_PUT, remote, local, "Peer.put")
+            future = self._post_now(_PUT, remote, local, "Peer.put")
             if future is not None:
                 return future
         return self._transfer(lib.HX_OP_PUT, ((remote, local),), timeout, "Peer.put", imm, notify)
@@ -307,34 +312,67 @@ class Peer:
 
         Posted at the call under asyncio, like ``put``."""
         if timeout is None:
-            future = self._post_now(lib.HX_OP_GET, remote, local, "Peer.get")
+            future = self._post_now(_GET, remote, local, "Peer.get")
             if future is not None:
                 return future
         return self._transfer(lib.HX_OP_GET, ((remote, local),), timeout, "Peer.get")
 
     def _post_now(self, opcode: int, remote: Any, local: Any, what: str) -> Any:
         """The op's Future, posted now, when nothing needs awaiting first: asyncio, room in
-        the ring, the path of its region known. None otherwise (the coroutine path does it)."""
-        engine = self.agent.engine
-        backend = engine.backend
-        if backend is None or backend.name != "asyncio" or engine.full or not backend.is_current():
+        the ring, the path of its region known. None otherwise (the coroutine path does it).
+
+        The hot path of every single put and get: the checks of ``_check`` written out for
+        the usual arguments (slices), ``_check`` itself for anything else or to raise."""
+        agent = self.agent
+        engine = agent.engine
+        loop = engine.loop
+        if loop is None or len(engine._ops) >= engine.capacity:
+            return None
+        # Called from the loop's own thread while it runs. asyncio's get_running_loop()
+        # asks the kernel for the pid on every call (0.2 us here); the thread id is free.
+        if loop._thread_id != _get_ident() if engine.loop_is_base else loop is not _get_running_loop():
             return None
         if self.closed or self._broken is not None:
             self._check_open(what)
-        self.agent.check_open(what)
-        rs, ls = self._check(opcode == lib.HX_OP_PUT, remote, local, what)
+        if agent._closed:
+            agent.check_open(what)
+        put = opcode == _PUT
+        if type(remote) is RemoteSlice and type(local) is RegionSlice:
+            rs, ls = remote, local
+            rr, region = rs.region, ls.region
+            if (
+                rr.agent_id != self.remote_id
+                or (region.agent is not agent and region.agent.id != agent.id)  # type: ignore[comparison-overlap]
+                or region.closed
+                or rs.nbytes != ls.nbytes
+                or rr.id in self._withdrawn
+                or not rr.rights & (1 if put else 2)
+                or (not put and region.readonly)
+            ):
+                rs, ls = self._check(put, remote, local, what)  # raises, naming what is wrong
+        else:
+            rs, ls = self._check(put, remote, local, what)
+            rr = rs.region
         if rs.nbytes:
             link = self._one_route
             if link is None:
-                rr = rs.region
-                route = self._routes.get((rr.id, rr.key))
+                route = self._routes.get(rr.route_key)
                 if route is None:
                     return None  # its path is set up on first use: that awaits
                 link = route[0]
-            waiter = link.post_one(engine, opcode, rs, ls, what, self)
-            if waiter is not None:
-                return waiter
-        return backend.done  # finished inline (or nothing to move)
+            if link.plain_post:  # Link.post_one, written out
+                op_id = engine.last_op_id = engine._next_id
+                engine._next_id = op_id + 1
+                region = ls.region
+                rc = post1(link.handle, opcode, op_id, region.id, ls.offset, rr.id, rs.offset, rs.nbytes, rr.key)
+                if rc != 1:  # HX_DONE_INLINE
+                    return engine._track(op_id, rc, (region,), what, self)
+                engine.completed += 1
+            else:
+                waiter = link.post_one(engine, opcode, rs, ls, what, self)
+                if waiter is not None:
+                    return waiter
+        return engine.backend.done  # type: ignore[union-attr]  # attached: loop is set
 
     async def put_many(
         self,
@@ -452,7 +490,7 @@ class Peer:
 
     def _checked(self, opcode: int, pairs: tuple[tuple[Any, Any], ...], what: str) -> list[Pair]:
         """Each pair checked as far as this side can (``_check``); empty ones dropped."""
-        put = opcode == lib.HX_OP_PUT
+        put = opcode == _PUT
         checked = []
         for remote, local in pairs:
             pair = self._check(put, remote, local, what)

@@ -11,7 +11,7 @@ __all__ = ["RemoteRegion", "RemoteSlice"]
 class RemoteRegion:
     """A region of a peer's agent, as its descriptor describes it. Slice it like a Region."""
 
-    __slots__ = ("info", "id", "agent_id", "rights", "key")
+    __slots__ = ("info", "id", "agent_id", "rights", "key", "route_key")
 
     def __init__(self, info: RegionInfo) -> None:
         self.info = info
@@ -20,6 +20,7 @@ class RemoteRegion:
         self.agent_id = info.agent_id
         self.rights = int(info.access)
         self.key = info.key
+        self.route_key = (self.id, self.key)  # a peer's routes are by (id, key): one tuple, not one per op
 
     @property
     def name(self) -> str | None:

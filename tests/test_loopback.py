@@ -319,3 +319,32 @@ async def test_idle_agent_does_not_spin():
         await asyncio.sleep(2.0)
         used = time.process_time() - start
     assert used < 0.02 * 2.0, f"idle agent used {used:.3f} s of CPU in 2 s"
+
+
+def test_use_from_a_later_loop_of_the_same_thread_is_refused():
+    """The fast path knows its loop by the thread running it: a loop of the same thread
+    run after the agent's own stopped is another loop, refused like one of another thread."""
+    first = asyncio.new_event_loop()
+    try:
+
+        async def start() -> tuple:
+            agent = aiohixl.Agent("loops")
+            src = agent.register(random_bytes(4096))
+            agent.register(bytearray(4096), name="x", access=Access.REMOTE_WRITE)
+            peer = agent.loopback()
+            x = await peer.region("x")
+            await peer.put(x, src)  # bound to the first loop now
+            return agent, peer, x, src
+
+        agent, peer, x, src = first.run_until_complete(start())
+
+        async def later() -> None:
+            with pytest.raises(aiohixl.WrongEventLoop):
+                await peer.put(x, src)
+            with pytest.raises(aiohixl.WrongEventLoop):
+                await peer.get(src, x)
+
+        asyncio.run(later())
+        first.run_until_complete(agent.aclose())
+    finally:
+        first.close()

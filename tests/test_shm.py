@@ -63,6 +63,23 @@ async def test_put_many_across_both_paths(pair):
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_cross_memory_attach_at_every_alignment(pair):
+    # Ends 1-63 bytes apart modulo a page go through a bounce buffer in 128 KiB
+    # pieces (copy.c): every distance, lengths across pieces, both directions.
+    peer, r, src, src_arr = pair["peer"], pair["r"], pair["src"], pair["src_arr"]
+    dst, dst_arr, target = pair["dst"], pair["dst_arr"], pair["target"]
+    usrc = pattern(SPACE, 42)  # what the target's "usrc" holds
+    base = 200 << 20
+    for delta in (1, 8, 16, 31, 32, 63, 64, 2048, 4095):
+        for n in (255, 256, 4096 + 3, (300 << 10) + 5):
+            far = base + delta
+            await peer.put(r["user"][far : far + n], src[base : base + n])
+            assert await target.hash("user", far, n) == sha(src_arr[base : base + n]), (delta, n)
+            await peer.get(dst[far : far + n], r["usrc"][base : base + n])
+            assert sha(dst_arr[far : far + n]) == sha(usrc[base : base + n]), (delta, n)
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_region_closed_by_target_fails_later_ops(pair):
     target, peer, src = pair["target"], pair["peer"], pair["src"]
     for kind in ("alloc", "register"):

@@ -41,6 +41,18 @@ int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uin
     return rc;
 }
 
+int hx_peer_post1(hx_peer *p, int opcode, uint64_t op_id, uint32_t local_region, uint64_t local_off,
+                  uint32_t remote_region, uint64_t remote_off, uint64_t len, uint64_t remote_key)
+{
+    hx_sge sge = {.local_region = local_region,
+                  .remote_region = remote_region,
+                  .local_off = local_off,
+                  .remote_off = remote_off,
+                  .len = len,
+                  .remote_key = remote_key};
+    return hx_peer_post(p, opcode, op_id, &sge, 1);
+}
+
 int hx_peer_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len)
 {
     if (atomic_load(&p->closed))

@@ -270,17 +270,25 @@ async def user_path_latency(peer: Any, remote: Any, local: Any, size: int, ops: 
     return {"median_us": statistics.median(samples) * 1e6, "p99_us": samples[int(len(samples) * 0.99)] * 1e6}
 
 
-async def bandwidth(peer: Any, remote: Any, local: Any, size: int, inflight: int, seconds: float) -> float:
+async def bandwidth(
+    peer: Any, remote: Any, local: Any, size: int, inflight: int, seconds: float, slots: int | None = None
+) -> float:
+    """Puts of ``size``: ``inflight`` at a time (1: each awaited before the next, as a caller
+    writes it; more: ``asyncio.gather``), over ``slots`` distinct ranges (default ``inflight``)
+    taken in turn. One at a time over the same ranges as N in flight touches the same memory,
+    so the two compare concurrency, not a cache-hot range against N cache-cold ones."""
     span = len(local) // size
-    slots = [(remote[i * size : (i + 1) * size], local[i * size : (i + 1) * size]) for i in range(min(span, inflight))]
-    await asyncio.gather(*(peer.put(r, l) for r, l in slots))  # warm-up
+    count = min(span, slots or inflight)
+    ranges = [(remote[i * size : (i + 1) * size], local[i * size : (i + 1) * size]) for i in range(count)]
+    await asyncio.gather(*(peer.put(r, l) for r, l in ranges))  # warm-up
     n, start = 0, time.perf_counter()
     while True:
-        if len(slots) == 1:  # one awaited op at a time, as a caller writes it
-            await peer.put(*slots[0])
+        if inflight == 1:
+            for r, l in ranges:
+                await peer.put(r, l)
         else:
-            await asyncio.gather(*(peer.put(r, l) for r, l in slots))
-        n += len(slots)
+            await asyncio.gather(*(peer.put(r, l) for r, l in ranges))
+        n += len(ranges)
         elapsed = time.perf_counter() - start
         if elapsed >= seconds and n >= 3:
             return n * size / elapsed / 1e9
@@ -343,6 +351,8 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
         for size in plan.bw_sizes:
             depth = plan.inflight if size * plan.inflight <= max_size else max(1, max_size // size)
             row = {"one_gbps": await bandwidth(peer, remote, local, size, 1, plan.bw_seconds)}
+            # One at a time over the N ranges the N in flight use: what N in flight is compared with.
+            row["one_span_gbps"] = await bandwidth(peer, remote, local, size, 1, plan.bw_seconds, depth)
             cpu0 = target.cpu() if target else 0.0
             t0 = time.perf_counter()
             row["inflight"] = depth
@@ -602,7 +612,9 @@ def render(r: Results) -> str:
                 if presliced:
                     extra = f"   ({v['median_us'] / presliced['median_us']:.2f}x the presliced put)"
             lines.append(f"  {key:<14} {v['median_us']:8.1f} us {v['p99_us']:8.1f} us{extra}")
-        lines.append("  bandwidth (put)    1 in flight          N in flight           vs its physical limit")
+        lines.append(
+            "  bandwidth (put)    1 in flight    1 at a time over N   N in flight    N/1 over N   vs its physical limit"
+        )
         for size, v in t["bandwidth"].items():
             cpu = f"  target CPU {v['target_cpu_pct']:.0f}%" if "target_cpu_pct" in v else ""
             lim = v.get("limit", {})
@@ -613,9 +625,12 @@ def render(r: Results) -> str:
                 )
             else:
                 vs = "-  (no baseline of its kind here)"
+            span = v.get("one_span_gbps")
+            over = f"{span:6.2f} GB/s" if span else "     -     "
+            ratio = f"{v['inflight_gbps'] / span:5.2f}x" if span else "   -  "
             lines.append(
-                f"  {size:>7}        {v['one_gbps']:6.2f} GB/s   {v['inflight']:>2} x {v['inflight_gbps']:6.2f} GB/s"
-                f"     {vs}{cpu}"
+                f"  {size:>7}        {v['one_gbps']:6.2f} GB/s   {over}   {v['inflight']:>2} x "
+                f"{v['inflight_gbps']:6.2f} GB/s  {ratio}     {vs}{cpu}"
             )
             if lim.get("above_limit"):
                 lines.append(f"  {'':>7}        {FLAG}")

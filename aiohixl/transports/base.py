@@ -25,6 +25,8 @@ from ..descriptor import RegionInfo
 from ..memory import Region, RegionSlice
 from ..remote import RemoteSlice
 
+post1 = lib.hx_peer_post1  # one lookup, not one per op
+
 Pair = tuple[RemoteSlice, RegionSlice]
 Handler = Callable[[Any], Awaitable[None] | None]
 
@@ -171,10 +173,11 @@ class Link:
     is_channel: ClassVar[bool] = False
     # Notifications on this link follow its data in order, so need no fence.
     ordered_notes: ClassVar[bool] = False
+    # post_one is Link's own (Peer's fast path writes it out), not a transport's override.
+    plain_post: ClassVar[bool] = True
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
-        self._one_sge = ffi.new("hx_sge *")  # read by the native side during the call only
 
     async def reach(self, info: RegionInfo, control: ControlView | None, what: str) -> str | None:
         """The path name if this link reaches the region, else None. Called once per region."""
@@ -195,14 +198,14 @@ class Link:
 
     def post_one(self, engine: Engine, opcode: int, rs: RemoteSlice, ls: RegionSlice, what: str, owner: OpOwner) -> Any:
         """Post one checked pair; its waiter, or None when it finished inline."""
-        sge = self._one_sge  # read by the native side during the call only
-        sge.local_region = ls.region.id
-        sge.remote_region = rs.region.id
-        sge.local_off = ls.offset
-        sge.remote_off = rs.offset
-        sge.len = rs.nbytes
-        sge.remote_key = rs.region.key
-        return engine.post(self.handle, opcode, sge, 1, (ls.region,), what, owner)
+        rr, region = rs.region, ls.region
+        op_id = engine.last_op_id = engine._next_id
+        engine._next_id = op_id + 1
+        rc = post1(self.handle, opcode, op_id, region.id, ls.offset, rr.id, rs.offset, rs.nbytes, rr.key)
+        if rc == 1:  # HX_DONE_INLINE
+            engine.completed += 1
+            return None
+        return engine._track(op_id, rc, (region,), what, owner)
 
     def pack(self, group: list[Pair]) -> Any:
         """The native scatter list of a group: local region/offset <-> remote region/offset."""

@@ -48,6 +48,7 @@ class VerbsLink(Link):
     name = "verbs"
     carries_imm = True
     ordered_notes = True  # a SEND on the same queue pair, behind the writes
+    plain_post = False  # its own post_one: rkeys and addresses, not regions and offsets
 
     def __init__(self, handle: Any) -> None:
         super().__init__(handle)
