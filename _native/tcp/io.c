@@ -29,9 +29,7 @@ void tcp_io_wake(tcp_io *io)
     (void)n;
 }
 
-/* Reads until the socket is drained. Returns -1 to fail with a protocol
- * error, -2 when the connection is gone, 0 otherwise. */
-static int conn_read(hx_agent *a, conn *c)
+int tcp_conn_read(hx_agent *a, conn *c)
 {
     for (;;) {
         if ((c->target && c->outq >= OUTQ_HIGH) || c->note_held)
@@ -178,6 +176,7 @@ static void *io_main(void *arg)
     tcp_io *io = t->io;
     struct epoll_event evs[64];
     uint64_t active_until = 0, next_stall_check = 0, next_beat = 0;
+    uint64_t spin_ns = t->busy_ns > SPIN_NS ? t->busy_ns : SPIN_NS;
     while (!atomic_load(&io->stop)) {
         /* A short spin after activity saves the wake-up of a blocked thread
          * for the next frame of a burst; an idle agent blocks, waking only
@@ -197,7 +196,7 @@ static void *io_main(void *arg)
             break;
         }
         if (n > 0)
-            active_until = tcp_now_ns() + SPIN_NS;
+            active_until = tcp_now_ns() + spin_ns;
         else if (timeout == 0)
             sched_yield(); /* spinning: let the application's threads have the core */
         bool sweep_needed = false;
@@ -221,7 +220,9 @@ static void *io_main(void *arg)
             }
             uint32_t e = evs[i].events;
             if (e & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
-                int rc = conn_read(a, c);
+                pthread_mutex_lock(&c->rx_lock);
+                int rc = tcp_conn_read(a, c);
+                pthread_mutex_unlock(&c->rx_lock);
                 if (rc < 0) {
                     tcp_conn_fail(a, c, rc == -1 ? HX_E_PROTO : HX_E_CONNLOST);
                     sweep_needed = true;
@@ -393,6 +394,8 @@ const hx_transport hx_tcp_transport = {.name = "tcp",
                                        .note_space = tcp_note_space};
 
 void hx_agent_set_stall(hx_agent *a, uint64_t ns) { T(a)->stall_ns = ns; }
+
+void hx_agent_set_busy_poll(hx_agent *a, uint32_t us) { T(a)->busy_ns = (uint64_t)us * 1000u; }
 
 void hx_agent_set_heartbeat(hx_agent *a, uint64_t interval_ns, uint64_t timeout_ns)
 {

@@ -84,8 +84,16 @@ typedef struct conn {
     bool target;
     uint64_t session;
     pthread_mutex_t lock;
+    /* rx_lock: the receive state below, and the socket's reads. Held by the
+     * I/O thread while it reads, or by a submitting thread that busy-polls
+     * for its own op's answer (initiator, Agent(busy_poll_us=...)). Taken
+     * before lock, never after it. */
+    pthread_mutex_t rx_lock;
     frame *head, *tail, *unsent;
     uint32_t outq;
+    /* initiator: frames queued, and answered (in order), under lock */
+    uint64_t queued, answered;
+    bool polling; /* a submitting thread busy-polls: the I/O thread stops watching for input */
     uint32_t events;
     bool broken;
     atomic_int fail_req; /* a failure another thread asked for */
@@ -142,6 +150,10 @@ typedef struct tcp_agent {
     tcp_io *io;
     uint64_t stall_ns;
     uint64_t hb_interval_ns, hb_timeout_ns; /* 0: no heartbeats */
+    /* Agent(busy_poll_us=...): 0, or how long the I/O thread polls after
+     * activity before it blocks, and how long a submitting thread polls for
+     * the answer to a small op it sent itself (the op then ends inline). */
+    uint64_t busy_ns;
 } tcp_agent;
 
 static inline tcp_agent *T(hx_agent *a) { return a->state[HX_TRANSPORT_TCP]; }
@@ -178,6 +190,10 @@ void tcp_conn_fail(hx_agent *a, conn *c, int status);
 void tcp_frame_free(hx_agent *a, frame *f, int status);
 /* Caller holds c->lock for these three. */
 void tcp_append_locked(conn *c, frame *first, frame *last, uint32_t count);
+/* Busy polling: the op a submitting thread waits for (0: none); set when its
+ * success was taken inline instead of through the completion ring. */
+extern __thread uint64_t tcp_inline_op;
+extern __thread bool tcp_inline_done;
 /* Sends what can be sent without blocking, at most budget bytes. Returns 0,
  * or -1 when the connection is broken. */
 int tcp_flush_budget(hx_agent *a, conn *c, uint64_t budget);
@@ -201,6 +217,9 @@ int tcp_target_payload_done(hx_agent *a, conn *c);
 int tcp_target_note_retry(hx_agent *a, conn *c);
 
 /* io.c */
+/* Reads until the socket is drained; caller holds c->rx_lock. Returns -1 to
+ * fail with a protocol error, -2 when the connection is gone, 0 otherwise. */
+int tcp_conn_read(hx_agent *a, conn *c);
 /* The I/O thread, started on first use; NULL with *status when it cannot be. */
 tcp_io *tcp_io_get(hx_agent *a, int *status);
 void tcp_io_wake(tcp_io *io);
