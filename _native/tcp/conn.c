@@ -183,6 +183,7 @@ void tcp_conn_destroy(conn *c)
 {
     pthread_mutex_destroy(&c->lock);
     pthread_mutex_destroy(&c->rx_lock);
+    free(c->rbuf);
     free(c);
 }
 

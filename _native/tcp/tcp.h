@@ -34,6 +34,8 @@
 #define REQ_SIZE 48
 #define RESP_SIZE 32
 #define HX_TCP_CHUNK (1u << 20)
+#define RBUF_SIZE (64u * 1024u) /* each connection's read-ahead buffer */
+#define RDIRECT (16u * 1024u)   /* the rest of a payload at least this big is received in place */
 #define OUTQ_HIGH 512 /* target stops reading requests above this many queued responses */
 
 enum { W_PUT = 1, W_GET = 2, W_CHECK = 3, W_NOTE = 4, W_PING = 5 };
@@ -107,6 +109,8 @@ typedef struct conn {
     int rstatus;
     hx_region *rregion;
     uint64_t rop_id;
+    uint8_t *rbuf; /* read-ahead: bytes received, not yet taken (rpos..rend) */
+    uint32_t rpos, rend;
     uint8_t *rcheck;    /* a CHECK's payload being received (target) */
     uint32_t rcheck_op; /* the op it checks: W_PUT or W_GET */
     bool refusing;      /* a CHECK failed: refuse the rest of op refuse_op_id */
@@ -119,6 +123,7 @@ typedef struct conn {
     /* target: the notification being received, or held while the agent's
      * queue is full (reading stops meanwhile); the last refused op */
     bool rnote, note_held;
+    bool reading; /* target: answers queued while reading go out together (tcp_conn_read) */
     uint32_t note_len;
     uint64_t note_id, note_dep;
     uint64_t refused_op;
