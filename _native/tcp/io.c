@@ -5,14 +5,13 @@
 #include <errno.h>
 #include <sched.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
-#include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
-
 
 static __thread uint8_t scratch[1 << 16]; /* payloads of refused PUTs go here */
 

@@ -36,7 +36,7 @@
 #define HX_TCP_CHUNK (1u << 20)
 #define RBUF_SIZE (64u * 1024u) /* each connection's read-ahead buffer */
 #define RDIRECT (16u * 1024u)   /* the rest of a payload at least this big is received in place */
-#define OUTQ_HIGH 512 /* target stops reading requests above this many queued responses */
+#define OUTQ_HIGH 512           /* target stops reading requests above this many queued responses */
 
 enum { W_PUT = 1, W_GET = 2, W_CHECK = 3, W_NOTE = 4, W_PING = 5 };
 /* W_CHECK: sent before the frames of an op of more than one frame. Its
