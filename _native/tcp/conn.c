@@ -273,6 +273,10 @@ conn *tcp_conn_add(hx_agent *a, int fd, bool target, uint64_t session, int *stat
         return NULL;
     }
     pthread_mutex_unlock(&t->lock);
+    /* The I/O thread may be blocked without a timeout, chosen while it had no
+     * connection: it must start this one's heartbeats (and so see a peer that
+     * never answers) even if no byte ever arrives on it. */
+    tcp_io_wake(io);
     *status = HX_OK;
     return c;
 }
