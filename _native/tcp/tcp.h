@@ -34,7 +34,7 @@
 #define REQ_SIZE 48
 #define RESP_SIZE 32
 #define HX_TCP_CHUNK (1u << 20)
-#define RBUF_SIZE (64u * 1024u) /* each connection's read-ahead buffer */
+#define RBUF_SIZE (16u * 1024u) /* each connection's read-ahead buffer */
 #define RDIRECT (16u * 1024u)   /* the rest of a payload at least this big is received in place */
 #define OUTQ_HIGH 512           /* target stops reading requests above this many queued responses */
 
