@@ -443,7 +443,7 @@ def render_peers(r: Results) -> list[str]:
         if busy:
             b4 = olat[busy]["median_us"]
             label = "aiohixl " + ours_name + ", " + busy.split(", ")[1]
-            lines.append(f"  {label:<22}{b4:>8.1f} us  ({lat['4096']['median'] / b4:.2f}x: 4 KiB put latency)")
+            lines.append(f"  {label:<22}{b4:>8.1f} us  (advantage {lat['4096']['median'] / b4:.2f}x at 4 KiB)")
     return lines
 
 
