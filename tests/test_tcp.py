@@ -430,7 +430,10 @@ async def test_latency_mode_ops_land_in_order_end_inline_and_fail_as_usual():
         await target.alloc("kv", 4 << 20)
         await target.alloc("ro", 4096, access=int(aiohixl.Access.REMOTE_READ), seed=5)
         # A window long enough that a loaded machine still answers within it: ops end inline.
-        async with aiohixl.Agent(token=TOKEN, transports=TCP, busy_poll_us=200_000) as agent:
+        # Heartbeats checked every ms while this thread stamps what it reads: none may misfire.
+        async with aiohixl.Agent(
+            token=TOKEN, transports=TCP, busy_poll_us=200_000, heartbeat_interval=0.004, heartbeat_timeout=5.0
+        ) as agent:
             peer = await agent.connect(target.address)
             kv, ro = await peer.region("kv"), await peer.region("ro")
             src_arr = pattern(size * count, 11)
@@ -452,8 +455,11 @@ async def test_latency_mode_ops_land_in_order_end_inline_and_fail_as_usual():
             for i in range(count):
                 await peer.get(back[i * size : (i + 1) * size], kv[i * size : (i + 1) * size])
             assert np.array_equal(back_arr, src_arr)
-            # Gathered: several in flight at once on the one connection.
-            await asyncio.gather(*(peer.put(kv[i * size : (i + 1) * size], src[:size]) for i in range(count)))
+            # Gathered: several in flight at once on the one connection (many times: the heartbeat
+            # checks run meanwhile).
+            for _ in range(20):
+                await asyncio.gather(*(peer.put(kv[i * size : (i + 1) * size], src[:size]) for i in range(count)))
+            assert peer.broken is None
             assert await target.hash("kv", 0, size * count) == sha(np.tile(src_arr[:size], count))
             # A refused op fails as it does without the mode, and the path stays usable.
             with pytest.raises(aiohixl.AccessDenied):

@@ -170,6 +170,10 @@ static void sweep(hx_agent *a)
     pthread_mutex_unlock(&t->lock);
 }
 
+/* How long ago `then` was; 0 when it is later than `now` (another thread,
+ * a busy-polling poster or a submitting one, may stamp it after `now` was read). */
+static uint64_t since(uint64_t now, uint64_t then) { return now > then ? now - then : 0; }
+
 static void cut_stalled(hx_agent *a)
 {
     tcp_agent *t = T(a);
@@ -178,11 +182,11 @@ static void cut_stalled(hx_agent *a)
     for (conn *c = t->io->conns; c; c = c->next_all) {
         if (!c->target || c->broken)
             continue;
-        if (c->in_payload && now - c->last_rx_ns > t->stall_ns)
+        if (c->in_payload && since(now, c->last_rx_ns) > t->stall_ns)
             atomic_store(&c->fail_req, HX_E_PROTO);
         /* Answers the peer does not read: a GET's data holds its region busy. */
         pthread_mutex_lock(&c->lock);
-        bool stuck = c->unsent && now - c->last_tx_ns > t->stall_ns;
+        bool stuck = c->unsent && since(now, c->last_tx_ns) > t->stall_ns;
         pthread_mutex_unlock(&c->lock);
         if (stuck)
             atomic_store(&c->fail_req, HX_E_PROTO);
@@ -204,9 +208,9 @@ static void heartbeat(hx_agent *a)
         bool holding = c->note_held || (c->target && c->outq >= OUTQ_HIGH);
         if (holding)
             c->last_rx_ns = now;
-        else if (now - c->last_rx_ns > t->hb_timeout_ns)
+        else if (since(now, c->last_rx_ns) > t->hb_timeout_ns)
             atomic_store(&c->fail_req, HX_E_SILENT);
-        if (now - c->last_tx_ns >= t->hb_interval_ns && !c->unsent)
+        if (since(now, c->last_tx_ns) >= t->hb_interval_ns && !c->unsent)
             tcp_beacon_locked(a, c);
         pthread_mutex_unlock(&c->lock);
     }
