@@ -23,6 +23,16 @@
  * unless it is itself holding the other side back. All of it on the native
  * thread: a blocked event loop stops none of it.
  *
+ * Reading: every connection reads through a small read-ahead buffer (rbuf);
+ * the rest of a large payload is received in place, the bytes after it into
+ * the buffer, in one recvmsg. A target sends the answers to one receive
+ * together. Latency mode (busy_ns, Agent(busy_poll_us=...)): the I/O thread
+ * polls busy_ns after activity before it blocks, and a thread that posted an
+ * op and sent all of it reads the connection itself (rx_lock; the I/O thread
+ * stops watching it for input meanwhile) until the op is answered or busy_ns
+ * pass; a success it reads ends the op inline (tcp_inline_op). Off, nothing
+ * polls: the I/O thread blocks whenever it has nothing to do.
+ *
  * Files: wire.c (frame headers), conn.c (connections: send queue, failure,
  * lifetime), initiator.c, target.c, io.c (the I/O thread and the transport's
  * agent state). This header is private to them.
