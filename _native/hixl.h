@@ -86,6 +86,12 @@ void hx_agent_set_notes(hx_agent *a, uint32_t capacity);
 /* tcp: every interval_ns each connection is pinged by its native side; one
  * that hears nothing for timeout_ns fails with HX_E_SILENT. */
 void hx_agent_set_heartbeat(hx_agent *a, uint64_t interval_ns, uint64_t timeout_ns);
+/* tcp latency mode (0: off, the default): the I/O thread polls us
+ * microseconds after activity before it blocks, and a thread that posts a
+ * small op and sends all of it itself polls up to us microseconds for the
+ * answer, so the op can end inline (HX_DONE_INLINE) with no thread woken.
+ * Set before the first tcp connection. */
+void hx_agent_set_busy_poll(hx_agent *a, uint32_t us);
 /* Stops accepting work, fails queued work with HX_E_CLOSED, waits for work
  * already touching memory, joins native threads. Safe to call twice. */
 void hx_agent_shutdown(hx_agent *a);

@@ -83,6 +83,7 @@ class Target(LineProcess):
         rdma_timeout: int = 14,
         stall: float = 10.0,
         max_notes: int = 4096,
+        busy_poll_us: int = 0,
     ) -> Target:
         """``prefix`` runs the target under another command (e.g. unshare)."""
         env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -104,6 +105,8 @@ class Target(LineProcess):
                 str(stall),
                 "--max-notes",
                 str(max_notes),
+                "--busy-poll",
+                str(busy_poll_us),
             ],
             cwd=ROOT,
             env=env,

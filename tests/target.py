@@ -33,6 +33,7 @@ async def main() -> None:
     p.add_argument("--rdma-timeout", type=int, default=14)
     p.add_argument("--stall", type=float, default=10.0)
     p.add_argument("--max-notes", type=int, default=4096)
+    p.add_argument("--busy-poll", type=int, default=0)
     args = p.parse_args()
     async with aiohixl.Agent(
         "target",
@@ -44,6 +45,7 @@ async def main() -> None:
         rdma_retry_count=1,
         stall_timeout=args.stall,
         max_notifications=args.max_notes,
+        busy_poll_us=args.busy_poll,
     ) as agent:
         regions = {}
         arrays = {}

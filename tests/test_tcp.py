@@ -412,3 +412,85 @@ async def test_timeout_raises_and_the_op_still_completes():
             assert await target.hash("kv", 0, 1 << 20) == sha(pattern(1 << 20, 6))
     finally:
         await target.aclose()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "50", None, 1_000_001])
+async def test_busy_poll_us_is_validated(bad):
+    with pytest.raises(aiohixl.InvalidArgument, match=r"Agent\(busy_poll_us="):
+        aiohixl.Agent(busy_poll_us=bad)
+
+
+async def test_latency_mode_ops_land_in_order_end_inline_and_fail_as_usual():
+    """busy_poll_us on both sides: small ops end inline (their Future is done at the call), their
+    bytes land and read back, a notification still follows its data, a refused op still fails
+    (through the ring), and large ops still take the usual path."""
+    target = await Target.start(busy_poll_us=50)
+    size, count = 4096, 64
+    try:
+        await target.alloc("kv", 4 << 20)
+        await target.alloc("ro", 4096, access=int(aiohixl.Access.REMOTE_READ), seed=5)
+        # A window long enough that a loaded machine still answers within it: ops end inline.
+        # Heartbeats checked every ms while this thread stamps what it reads: none may misfire.
+        async with aiohixl.Agent(
+            token=TOKEN, transports=TCP, busy_poll_us=200_000, heartbeat_interval=0.004, heartbeat_timeout=5.0
+        ) as agent:
+            peer = await agent.connect(target.address)
+            kv, ro = await peer.region("kv"), await peer.region("ro")
+            src_arr = pattern(size * count, 11)
+            src = agent.register(src_arr)
+            back_arr = np.zeros(size * count, dtype=np.uint8)
+            back = agent.register(back_arr)
+            inline = 0
+            for i in range(count):
+                fut = peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size])
+                inline += fut.done()
+                await fut
+            assert inline > 0  # the mode did something: answers were read by the caller
+            # Overwrites in order: the last put to a range is what stays there.
+            for i in range(count):
+                await peer.put(kv[:size], src[i * size : (i + 1) * size])
+            assert await target.hash("kv", 0, size) == sha(src_arr[(count - 1) * size :])
+            assert await target.hash("kv", size, size * (count - 1)) == sha(src_arr[size:])
+            await peer.put(kv[:size], src[:size])
+            for i in range(count):
+                await peer.get(back[i * size : (i + 1) * size], kv[i * size : (i + 1) * size])
+            assert np.array_equal(back_arr, src_arr)
+            # Gathered: several in flight at once on the one connection (many times: the heartbeat
+            # checks run meanwhile).
+            for _ in range(20):
+                await asyncio.gather(*(peer.put(kv[i * size : (i + 1) * size], src[:size]) for i in range(count)))
+            assert peer.broken is None
+            assert await target.hash("kv", 0, size * count) == sha(np.tile(src_arr[:size], count))
+            # A refused op fails as it does without the mode, and the path stays usable.
+            with pytest.raises(aiohixl.AccessDenied):
+                await peer.put(ro[:size], src[:size])
+            assert peer.broken is None
+            # The data is in place when its notification arrives.
+            message = f"kv:0:{size}:{sha(src_arr[size : 2 * size])}".encode()
+            check = asyncio.create_task(target.cmd(op="take_note"))
+            await peer.put(kv[:size], src[size : 2 * size], notify=message)
+            assert (await check)["in_place"]
+            # A large op (more than one frame, sent partly by the I/O thread) is unaffected.
+            big = agent.allocate(3 << 20)
+            np.frombuffer(big.memory, dtype=np.uint8)[:] = pattern(3 << 20, 12)
+            fut = peer.put(kv[: 3 << 20], big)
+            await fut
+            assert await target.hash("kv", 0, 3 << 20) == sha(pattern(3 << 20, 12))
+    finally:
+        await target.aclose()
+
+
+async def test_without_the_latency_mode_no_op_ends_inline():
+    target = await Target.start()
+    try:
+        await target.alloc("kv", 1 << 20)
+        async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
+            peer = await agent.connect(target.address)
+            kv = await peer.region("kv")
+            src = agent.allocate(4096)
+            for _ in range(20):
+                fut = peer.put(kv[:4096], src)
+                assert not fut.done()  # its completion comes through the ring and the event loop
+                await fut
+    finally:
+        await target.aclose()

@@ -17,7 +17,7 @@ void tcp_update_interest(hx_agent *a, conn *c)
     if (c->broken)
         return;
     uint32_t want = EPOLLRDHUP;
-    if ((!c->target || c->outq < OUTQ_HIGH) && !c->note_held)
+    if ((!c->target || c->outq < OUTQ_HIGH) && !c->note_held && !c->polling)
         want |= EPOLLIN;
     if (c->unsent)
         want |= EPOLLOUT;
@@ -28,6 +28,9 @@ void tcp_update_interest(hx_agent *a, conn *c)
     }
 }
 
+__thread uint64_t tcp_inline_op;
+__thread bool tcp_inline_done;
+
 static void op_piece_done(hx_agent *a, tcp_op *op, int status)
 {
     if (status != HX_OK && op->status == HX_OK)
@@ -37,7 +40,10 @@ static void op_piece_done(hx_agent *a, tcp_op *op, int status)
             hx_region_release(op->regions[i]);
         if (op->status != HX_OK)
             hx_stat_error(a, HX_TRANSPORT_TCP);
-        hx_complete(a, op->op_id, op->status);
+        if (op->status == HX_OK && op->op_id == tcp_inline_op)
+            tcp_inline_done = true; /* the busy-polling poster returns it as done inline */
+        else
+            hx_complete(a, op->op_id, op->status);
         free(op);
     }
 }
@@ -124,11 +130,16 @@ void tcp_append_locked(conn *c, frame *first, frame *last, uint32_t count)
     }
     if (c->target)
         c->outq += count;
+    else
+        c->queued += count;
 }
 
 /* Ends a connection: every frame fails with status. I/O thread only. */
 void tcp_conn_fail(hx_agent *a, conn *c, int status)
 {
+    /* A thread busy-polling this connection finishes first (it holds the
+     * receive state for at most the busy-poll time). */
+    pthread_mutex_lock(&c->rx_lock);
     /* A local close or give-up, asked for before the socket broke (the peer
      * may close because we did), says why better than the socket does. */
     int failed = 0;
@@ -138,6 +149,7 @@ void tcp_conn_fail(hx_agent *a, conn *c, int status)
     pthread_mutex_lock(&c->lock);
     if (c->broken) {
         pthread_mutex_unlock(&c->lock);
+        pthread_mutex_unlock(&c->rx_lock);
         return;
     }
     c->broken = true;
@@ -164,11 +176,14 @@ void tcp_conn_fail(hx_agent *a, conn *c, int status)
         c->in_payload = false;
         T(a)->io->payloads--;
     }
+    pthread_mutex_unlock(&c->rx_lock);
 }
 
 void tcp_conn_destroy(conn *c)
 {
     pthread_mutex_destroy(&c->lock);
+    pthread_mutex_destroy(&c->rx_lock);
+    free(c->rbuf);
     free(c);
 }
 
@@ -224,6 +239,7 @@ conn *tcp_conn_add(hx_agent *a, int fd, bool target, uint64_t session, int *stat
     }
     hx_peer_init(&c->base, a, &tcp_ops);
     pthread_mutex_init(&c->lock, NULL);
+    pthread_mutex_init(&c->rx_lock, NULL);
     c->fd = fd;
     c->target = target;
     c->session = session;
@@ -257,6 +273,10 @@ conn *tcp_conn_add(hx_agent *a, int fd, bool target, uint64_t session, int *stat
         return NULL;
     }
     pthread_mutex_unlock(&t->lock);
+    /* The I/O thread may be blocked without a timeout, chosen while it had no
+     * connection: it must start this one's heartbeats (and so see a peer that
+     * never answers) even if no byte ever arrives on it. */
+    tcp_io_wake(io);
     *status = HX_OK;
     return c;
 }

@@ -1,6 +1,7 @@
 /* The initiator side of tcp: ops cut into request chunks, responses matched
  * to the oldest chunk outstanding. */
 #include "tcp.h"
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -20,7 +21,7 @@ hx_peer *hx_tcp_connect_fd(hx_agent *a, int fd, int *status)
 /* Queues an op's frames and sends what fits on this thread: small ops go
  * out at once, the I/O thread streams the rest, so the caller's event loop
  * never waits on a big send. Frees them when the connection is gone. */
-static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count)
+static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count, uint64_t *done_at)
 {
     int rc = HX_POSTED;
     pthread_mutex_lock(&c->lock);
@@ -28,14 +29,64 @@ static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count)
         rc = HX_E_CONNLOST;
     } else {
         tcp_append_locked(c, first, last, (uint32_t)count);
+        /* Busy polling: the I/O thread is not woken for the answer (the flush
+         * updates what it watches). Only one thread posts on a peer at a time. */
+        c->polling = done_at != NULL;
         if (tcp_flush_budget(a, c, HX_INLINE_SEND) < 0) {
             /* The I/O thread fails this op with the rest. */
             atomic_store(&c->fail_req, HX_E_CONNLOST);
             tcp_io_wake(T(a)->io);
+        } else if (done_at && !c->unsent) {
+            *done_at = c->queued; /* all sent here: answered once this many frames are */
+        } else if (c->polling) {
+            c->polling = false;
+            tcp_update_interest(a, c);
         }
     }
     pthread_mutex_unlock(&c->lock);
     return rc;
+}
+
+/* Busy polling (Agent(busy_poll_us=...)): the op went out whole from this
+ * thread; read its answer here for up to busy_ns rather than wait for the
+ * I/O thread and the event loop's wake-up. Any answer that arrives meanwhile
+ * is handled as the I/O thread would. HX_DONE_INLINE when the op succeeded
+ * here (no completion follows), else HX_POSTED: the ring has it, or will. */
+static int poll_answer(hx_agent *a, conn *c, uint64_t op_id, uint64_t done_at, uint64_t busy_ns)
+{
+    uint64_t deadline = tcp_now_ns() + busy_ns;
+    int fail = 0;
+    tcp_inline_op = op_id;
+    tcp_inline_done = false;
+    pthread_mutex_lock(&c->rx_lock);
+    for (;;) {
+        pthread_mutex_lock(&c->lock);
+        bool over = c->broken || c->answered >= done_at;
+        pthread_mutex_unlock(&c->lock);
+        if (over)
+            break;
+        int rc = tcp_conn_read(a, c);
+        if (rc < 0) {
+            fail = rc == -1 ? HX_E_PROTO : HX_E_CONNLOST;
+            break;
+        }
+        if (tcp_inline_done || tcp_now_ns() >= deadline)
+            break;
+        sched_yield(); /* the target's thread may share this core (2 cores: it often does) */
+    }
+    pthread_mutex_unlock(&c->rx_lock);
+    pthread_mutex_lock(&c->lock);
+    c->polling = false;
+    tcp_update_interest(a, c); /* the I/O thread reads again: what comes later is its */
+    pthread_mutex_unlock(&c->lock);
+    tcp_inline_op = 0;
+    if (fail) {
+        /* The I/O thread fails the connection, this op with it. */
+        int expected = 0;
+        atomic_compare_exchange_strong(&c->fail_req, &expected, fail);
+        tcp_io_wake(T(a)->io);
+    }
+    return tcp_inline_done ? HX_DONE_INLINE : HX_POSTED;
 }
 
 int tcp_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len)
@@ -62,7 +113,7 @@ int tcp_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint
     f->owned = copy;
     f->data = copy;
     f->datalen = len;
-    int rc = submit(p->agent, c, f, f, 1);
+    int rc = submit(p->agent, c, f, f, 1, NULL);
     if (rc != HX_POSTED) {
         free(copy);
         free(f);
@@ -200,9 +251,10 @@ int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_
     }
     if (rc == HX_OK) {
         op->remaining = count;
-        rc = submit(a, c, first, last, count);
+        uint64_t busy_ns = T(a)->busy_ns, done_at = 0;
+        rc = submit(a, c, first, last, count, busy_ns ? &done_at : NULL);
         if (rc == HX_POSTED)
-            return HX_POSTED;
+            return done_at ? poll_answer(a, c, op_id, done_at, busy_ns) : HX_POSTED;
     }
     while (first) {
         frame *next = first->next;
@@ -232,6 +284,7 @@ static int sanitize_remote_status(int32_t s)
 void tcp_chunk_done(hx_agent *a, conn *c, frame *f, int status)
 {
     pthread_mutex_lock(&c->lock);
+    c->answered++;
     c->head = f->next;
     if (!c->head)
         c->tail = NULL;

@@ -5,13 +5,13 @@
 #include <errno.h>
 #include <sched.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
-
-#define SPIN_NS 200000 /* after activity, poll this long before blocking */
 
 static __thread uint8_t scratch[1 << 16]; /* payloads of refused PUTs go here */
 
@@ -29,53 +29,104 @@ void tcp_io_wake(tcp_io *io)
     (void)n;
 }
 
-/* Reads until the socket is drained. Returns -1 to fail with a protocol
- * error, -2 when the connection is gone, 0 otherwise. */
-static int conn_read(hx_agent *a, conn *c)
+/* The bytes of a payload that are now complete: hand them on. */
+static int payload_done(hx_agent *a, conn *c)
 {
+    if (c->target)
+        return tcp_target_payload_done(a, c);
+    c->in_payload = false;
+    frame *f = c->rframe;
+    c->rframe = NULL;
+    c->rdst = NULL;
+    tcp_chunk_done(a, c, f, HX_OK);
+    return 0;
+}
+
+/* One receive: into the read-ahead buffer, or, for the rest of a large
+ * payload, straight into its place with whatever follows it (the next
+ * headers) into the buffer, in one call. Returns bytes read, 0 when the
+ * socket is drained, -2 when the connection is gone. */
+static ssize_t receive(conn *c)
+{
+    if (!c->rbuf && !(c->rbuf = malloc(RBUF_SIZE)))
+        return -2;
+    struct iovec iov[2];
+    int n = 0;
+    bool direct = c->in_payload && c->rlen - c->rdone >= RDIRECT;
+    uint64_t want = 0;
+    if (direct) {
+        want = c->rlen - c->rdone;
+        if (!c->rdst && want > sizeof scratch)
+            want = sizeof scratch;
+        iov[n++] = (struct iovec){.iov_base = c->rdst ? c->rdst + c->rdone : scratch, .iov_len = want};
+    }
+    if (!direct || want == c->rlen - c->rdone)
+        iov[n++] = (struct iovec){.iov_base = c->rbuf, .iov_len = RBUF_SIZE};
+    struct msghdr msg = {.msg_iov = iov, .msg_iovlen = n};
     for (;;) {
-        if ((c->target && c->outq >= OUTQ_HIGH) || c->note_held)
-            return 0; /* back-pressure: answer first, or wait for room for the notification */
-        ssize_t r;
-        if (c->in_payload) {
-            uint8_t *dst = c->rdst ? c->rdst + c->rdone : scratch;
-            uint64_t want = c->rlen - c->rdone;
-            if (!c->rdst && want > sizeof scratch)
-                want = sizeof scratch;
-            r = recv(c->fd, dst, want, MSG_DONTWAIT);
-        } else {
-            uint32_t size = c->target ? REQ_SIZE : RESP_SIZE;
-            r = recv(c->fd, c->rhdr + c->rgot, size - c->rgot, MSG_DONTWAIT);
-        }
+        ssize_t r = recvmsg(c->fd, &msg, MSG_DONTWAIT);
         if (r == 0)
             return -2;
         if (r < 0) {
             if (errno == EINTR)
                 continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK)
-                return 0;
-            return -2;
+            return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -2;
         }
         c->last_rx_ns = tcp_now_ns();
-        if (c->in_payload) {
-            c->rdone += (uint64_t)r;
-            if (c->rdone < c->rlen)
-                continue;
-            if (c->target) {
-                int rc = tcp_target_payload_done(a, c);
-                if (rc < 0)
-                    return rc;
-            } else {
-                c->in_payload = false;
-                frame *f = c->rframe;
-                c->rframe = NULL;
-                c->rdst = NULL;
-                tcp_chunk_done(a, c, f, HX_OK);
-            }
+        uint64_t placed = direct ? ((uint64_t)r < want ? (uint64_t)r : want) : 0;
+        c->rdone += placed;
+        c->rpos = 0;
+        c->rend = (uint32_t)((uint64_t)r - placed);
+        return r;
+    }
+}
+
+static int flush_answers(hx_agent *a, conn *c)
+{
+    pthread_mutex_lock(&c->lock);
+    int rc = c->unsent ? tcp_flush_locked(a, c) : 0;
+    pthread_mutex_unlock(&c->lock);
+    return rc;
+}
+
+static int conn_read(hx_agent *a, conn *c)
+{
+    uint32_t size = c->target ? REQ_SIZE : RESP_SIZE;
+    for (;;) {
+        if (c->in_payload && c->rdone == c->rlen) {
+            int rc = payload_done(a, c);
+            if (rc < 0)
+                return rc;
             continue;
         }
-        c->rgot += (uint32_t)r;
-        uint32_t size = c->target ? REQ_SIZE : RESP_SIZE;
+        /* Back-pressure: answer first, or wait for room for the notification.
+         * What the buffer holds meanwhile is taken when reading resumes
+         * (tcp_read_held). */
+        if ((c->target && c->outq >= OUTQ_HIGH) || c->note_held)
+            return 0;
+        if (c->rpos == c->rend) {
+            /* The answers to what the buffer held go out in one send, before
+             * the next receive: batched, never held back behind new input. */
+            if (c->reading && flush_answers(a, c) < 0)
+                return -2;
+            ssize_t r = receive(c);
+            if (r <= 0)
+                return (int)r;
+            continue;
+        }
+        uint32_t avail = c->rend - c->rpos;
+        if (c->in_payload) {
+            uint64_t take = c->rlen - c->rdone < avail ? c->rlen - c->rdone : avail;
+            if (c->rdst)
+                memcpy(c->rdst + c->rdone, c->rbuf + c->rpos, take);
+            c->rpos += (uint32_t)take;
+            c->rdone += take;
+            continue; /* done (or not) at the top */
+        }
+        uint32_t take = size - c->rgot < avail ? size - c->rgot : avail;
+        memcpy(c->rhdr + c->rgot, c->rbuf + c->rpos, take);
+        c->rpos += take;
+        c->rgot += take;
         if (c->rgot < size)
             continue;
         c->rgot = 0;
@@ -83,6 +134,16 @@ static int conn_read(hx_agent *a, conn *c)
         if (rc < 0)
             return rc;
     }
+}
+
+int tcp_conn_read(hx_agent *a, conn *c)
+{
+    c->reading = c->target;
+    int rc = conn_read(a, c);
+    c->reading = false;
+    if (rc >= 0 && c->target && flush_answers(a, c) < 0)
+        rc = -2;
+    return rc;
 }
 
 /* Applies failures asked for by other threads and frees what is finished. */
@@ -109,6 +170,10 @@ static void sweep(hx_agent *a)
     pthread_mutex_unlock(&t->lock);
 }
 
+/* How long ago `then` was; 0 when it is later than `now` (another thread,
+ * a busy-polling poster or a submitting one, may stamp it after `now` was read). */
+static uint64_t since(uint64_t now, uint64_t then) { return now > then ? now - then : 0; }
+
 static void cut_stalled(hx_agent *a)
 {
     tcp_agent *t = T(a);
@@ -117,11 +182,11 @@ static void cut_stalled(hx_agent *a)
     for (conn *c = t->io->conns; c; c = c->next_all) {
         if (!c->target || c->broken)
             continue;
-        if (c->in_payload && now - c->last_rx_ns > t->stall_ns)
+        if (c->in_payload && since(now, c->last_rx_ns) > t->stall_ns)
             atomic_store(&c->fail_req, HX_E_PROTO);
         /* Answers the peer does not read: a GET's data holds its region busy. */
         pthread_mutex_lock(&c->lock);
-        bool stuck = c->unsent && now - c->last_tx_ns > t->stall_ns;
+        bool stuck = c->unsent && since(now, c->last_tx_ns) > t->stall_ns;
         pthread_mutex_unlock(&c->lock);
         if (stuck)
             atomic_store(&c->fail_req, HX_E_PROTO);
@@ -143,13 +208,26 @@ static void heartbeat(hx_agent *a)
         bool holding = c->note_held || (c->target && c->outq >= OUTQ_HIGH);
         if (holding)
             c->last_rx_ns = now;
-        else if (now - c->last_rx_ns > t->hb_timeout_ns)
+        else if (since(now, c->last_rx_ns) > t->hb_timeout_ns)
             atomic_store(&c->fail_req, HX_E_SILENT);
-        if (now - c->last_tx_ns >= t->hb_interval_ns && !c->unsent)
+        if (since(now, c->last_tx_ns) >= t->hb_interval_ns && !c->unsent)
             tcp_beacon_locked(a, c);
         pthread_mutex_unlock(&c->lock);
     }
     pthread_mutex_unlock(&t->lock);
+}
+
+/* Reading resumes after back-pressure: what the read-ahead buffer already
+ * holds is taken now (no event would say it is there). Same returns as
+ * tcp_conn_read. */
+static int read_held(hx_agent *a, conn *c)
+{
+    if (c->rpos == c->rend || c->broken)
+        return 0;
+    pthread_mutex_lock(&c->rx_lock);
+    int rc = tcp_conn_read(a, c);
+    pthread_mutex_unlock(&c->rx_lock);
+    return rc;
 }
 
 /* The agent's notification queue has room: release held notifications. */
@@ -162,6 +240,11 @@ static void resume_notes(hx_agent *a)
             continue;
         if (tcp_target_note_retry(a, c) < 0) {
             atomic_store(&c->fail_req, HX_E_CONNLOST);
+            continue;
+        }
+        int rc = read_held(a, c);
+        if (rc < 0) {
+            atomic_store(&c->fail_req, rc == -1 ? HX_E_PROTO : HX_E_CONNLOST);
             continue;
         }
         pthread_mutex_lock(&c->lock);
@@ -178,10 +261,15 @@ static void *io_main(void *arg)
     tcp_io *io = t->io;
     struct epoll_event evs[64];
     uint64_t active_until = 0, next_stall_check = 0, next_beat = 0;
+    /* Agent(busy_poll_us=...): poll this long after activity before
+     * blocking. Off by default: on two cores a polling thread takes the core
+     * the other side needs, and an idle agent must cost nothing. */
+    uint64_t spin_ns = t->busy_ns;
     while (!atomic_load(&io->stop)) {
-        /* A short spin after activity saves the wake-up of a blocked thread
-         * for the next frame of a burst; an idle agent blocks, waking only
-         * for heartbeats and the stall check while it has connections. */
+        /* In the latency mode a spin after activity saves the wake-up of a
+         * blocked thread for the next frame; otherwise, and once idle, the
+         * thread blocks, waking only for heartbeats and the stall check
+         * while it has connections. */
         bool watch = io->payloads || atomic_load(&io->targets);
         int timeout = tcp_now_ns() < active_until ? 0 : (watch ? 1000 : -1);
         if (timeout != 0 && t->hb_interval_ns && io->conns) {
@@ -197,7 +285,7 @@ static void *io_main(void *arg)
             break;
         }
         if (n > 0)
-            active_until = tcp_now_ns() + SPIN_NS;
+            active_until = tcp_now_ns() + spin_ns;
         else if (timeout == 0)
             sched_yield(); /* spinning: let the application's threads have the core */
         bool sweep_needed = false;
@@ -221,7 +309,9 @@ static void *io_main(void *arg)
             }
             uint32_t e = evs[i].events;
             if (e & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
-                int rc = conn_read(a, c);
+                pthread_mutex_lock(&c->rx_lock);
+                int rc = tcp_conn_read(a, c);
+                pthread_mutex_unlock(&c->rx_lock);
                 if (rc < 0) {
                     tcp_conn_fail(a, c, rc == -1 ? HX_E_PROTO : HX_E_CONNLOST);
                     sweep_needed = true;
@@ -240,6 +330,17 @@ static void *io_main(void *arg)
                 if (rc < 0) {
                     tcp_conn_fail(a, c, HX_E_CONNLOST);
                     sweep_needed = true;
+                    continue;
+                }
+                if (c->target && c->outq < OUTQ_HIGH && (rc = read_held(a, c)) < 0) {
+                    tcp_conn_fail(a, c, rc == -1 ? HX_E_PROTO : HX_E_CONNLOST);
+                    sweep_needed = true;
+                    continue;
+                }
+                if (c->target) {
+                    pthread_mutex_lock(&c->lock);
+                    tcp_update_interest(a, c);
+                    pthread_mutex_unlock(&c->lock);
                 }
             }
         }
@@ -299,6 +400,7 @@ tcp_io *tcp_io_get(hx_agent *a, int *status)
         t->io = NULL;
         goto fail;
     }
+    pthread_setname_np(io->thread, "hixl-tcp-io"); /* top -H, perf: which thread is which */
     pthread_mutex_unlock(&t->lock);
     return io;
 fail:
@@ -393,6 +495,8 @@ const hx_transport hx_tcp_transport = {.name = "tcp",
                                        .note_space = tcp_note_space};
 
 void hx_agent_set_stall(hx_agent *a, uint64_t ns) { T(a)->stall_ns = ns; }
+
+void hx_agent_set_busy_poll(hx_agent *a, uint32_t us) { T(a)->busy_ns = (uint64_t)us * 1000u; }
 
 void hx_agent_set_heartbeat(hx_agent *a, uint64_t interval_ns, uint64_t timeout_ns)
 {

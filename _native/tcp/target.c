@@ -77,7 +77,7 @@ static int enqueue_response(hx_agent *a, conn *c, int kind, int status, uint64_t
     f->region = region;
     pthread_mutex_lock(&c->lock);
     tcp_append_locked(c, f, f, 1);
-    int rc = tcp_flush_locked(a, c);
+    int rc = c->reading ? 0 : tcp_flush_locked(a, c);
     pthread_mutex_unlock(&c->lock);
     return rc < 0 ? -2 : 0;
 }

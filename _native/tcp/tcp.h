@@ -23,6 +23,16 @@
  * unless it is itself holding the other side back. All of it on the native
  * thread: a blocked event loop stops none of it.
  *
+ * Reading: every connection reads through a small read-ahead buffer (rbuf);
+ * the rest of a large payload is received in place, the bytes after it into
+ * the buffer, in one recvmsg. A target sends the answers to one receive
+ * together. Latency mode (busy_ns, Agent(busy_poll_us=...)): the I/O thread
+ * polls busy_ns after activity before it blocks, and a thread that posted an
+ * op and sent all of it reads the connection itself (rx_lock; the I/O thread
+ * stops watching it for input meanwhile) until the op is answered or busy_ns
+ * pass; a success it reads ends the op inline (tcp_inline_op). Off, nothing
+ * polls: the I/O thread blocks whenever it has nothing to do.
+ *
  * Files: wire.c (frame headers), conn.c (connections: send queue, failure,
  * lifetime), initiator.c, target.c, io.c (the I/O thread and the transport's
  * agent state). This header is private to them.
@@ -34,7 +44,9 @@
 #define REQ_SIZE 48
 #define RESP_SIZE 32
 #define HX_TCP_CHUNK (1u << 20)
-#define OUTQ_HIGH 512 /* target stops reading requests above this many queued responses */
+#define RBUF_SIZE (16u * 1024u) /* each connection's read-ahead buffer */
+#define RDIRECT (16u * 1024u)   /* the rest of a payload at least this big is received in place */
+#define OUTQ_HIGH 512           /* target stops reading requests above this many queued responses */
 
 enum { W_PUT = 1, W_GET = 2, W_CHECK = 3, W_NOTE = 4, W_PING = 5 };
 /* W_CHECK: sent before the frames of an op of more than one frame. Its
@@ -84,8 +96,16 @@ typedef struct conn {
     bool target;
     uint64_t session;
     pthread_mutex_t lock;
+    /* rx_lock: the receive state below, and the socket's reads. Held by the
+     * I/O thread while it reads, or by a submitting thread that busy-polls
+     * for its own op's answer (initiator, Agent(busy_poll_us=...)). Taken
+     * before lock, never after it. */
+    pthread_mutex_t rx_lock;
     frame *head, *tail, *unsent;
     uint32_t outq;
+    /* initiator: frames queued, and answered (in order), under lock */
+    uint64_t queued, answered;
+    bool polling; /* a submitting thread busy-polls: the I/O thread stops watching for input */
     uint32_t events;
     bool broken;
     atomic_int fail_req; /* a failure another thread asked for */
@@ -99,6 +119,8 @@ typedef struct conn {
     int rstatus;
     hx_region *rregion;
     uint64_t rop_id;
+    uint8_t *rbuf; /* read-ahead: bytes received, not yet taken (rpos..rend) */
+    uint32_t rpos, rend;
     uint8_t *rcheck;    /* a CHECK's payload being received (target) */
     uint32_t rcheck_op; /* the op it checks: W_PUT or W_GET */
     bool refusing;      /* a CHECK failed: refuse the rest of op refuse_op_id */
@@ -111,6 +133,7 @@ typedef struct conn {
     /* target: the notification being received, or held while the agent's
      * queue is full (reading stops meanwhile); the last refused op */
     bool rnote, note_held;
+    bool reading; /* target: answers queued while reading go out together (tcp_conn_read) */
     uint32_t note_len;
     uint64_t note_id, note_dep;
     uint64_t refused_op;
@@ -142,6 +165,10 @@ typedef struct tcp_agent {
     tcp_io *io;
     uint64_t stall_ns;
     uint64_t hb_interval_ns, hb_timeout_ns; /* 0: no heartbeats */
+    /* Agent(busy_poll_us=...): 0, or how long the I/O thread polls after
+     * activity before it blocks, and how long a submitting thread polls for
+     * the answer to a small op it sent itself (the op then ends inline). */
+    uint64_t busy_ns;
 } tcp_agent;
 
 static inline tcp_agent *T(hx_agent *a) { return a->state[HX_TRANSPORT_TCP]; }
@@ -178,6 +205,10 @@ void tcp_conn_fail(hx_agent *a, conn *c, int status);
 void tcp_frame_free(hx_agent *a, frame *f, int status);
 /* Caller holds c->lock for these three. */
 void tcp_append_locked(conn *c, frame *first, frame *last, uint32_t count);
+/* Busy polling: the op a submitting thread waits for (0: none); set when its
+ * success was taken inline instead of through the completion ring. */
+extern __thread uint64_t tcp_inline_op;
+extern __thread bool tcp_inline_done;
 /* Sends what can be sent without blocking, at most budget bytes. Returns 0,
  * or -1 when the connection is broken. */
 int tcp_flush_budget(hx_agent *a, conn *c, uint64_t budget);
@@ -201,6 +232,9 @@ int tcp_target_payload_done(hx_agent *a, conn *c);
 int tcp_target_note_retry(hx_agent *a, conn *c);
 
 /* io.c */
+/* Reads until the socket is drained; caller holds c->rx_lock. Returns -1 to
+ * fail with a protocol error, -2 when the connection is gone, 0 otherwise. */
+int tcp_conn_read(hx_agent *a, conn *c);
 /* The I/O thread, started on first use; NULL with *status when it cannot be. */
 tcp_io *tcp_io_get(hx_agent *a, int *status);
 void tcp_io_wake(tcp_io *io);

@@ -8,6 +8,8 @@ process_vm_writev likewise, a tcp stream and a tcp round trip between two
 processes (and iperf3 beside the stream when installed). Every bandwidth is
 printed as a ratio to the limit of its kind; a ratio above 1.05 is flagged,
 since a result cannot beat the physical limit: the baseline is then suspect.
+tcp also gets 4 KiB latency lines in its opt-in latency mode (``Agent(busy_poll_us=50)`` on
+both sides, with a target process of its own); idle CPU is measured with it off.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Plan:
     stream_seconds: float = 1.0  # the native tcp stream (iperf3 runs whole seconds)
     rtt_seconds: float = 0.5  # each native round-trip baseline
     reg_sizes: tuple[int, ...] = (1 << 30, 4 << 30)  # allocate/register throughput, loop stall
+    busy_poll_us: int = 50  # tcp's latency mode, on both sides, for its own latency lines
 
     @classmethod
     def make(cls, quick: bool, full: bool) -> Plan:
@@ -103,8 +106,8 @@ class Progress:
 # ---------- the target process ----------
 
 
-async def serve(max_size: int) -> None:
-    async with aiohixl.Agent("bench-target", listen="127.0.0.1:0", token=TOKEN) as agent:
+async def serve(max_size: int, busy_poll_us: int = 0) -> None:
+    async with aiohixl.Agent("bench-target", listen="127.0.0.1:0", token=TOKEN, busy_poll_us=busy_poll_us) as agent:
         user = np.zeros(max_size, dtype=np.uint8)
         regions = {
             "dst": agent.allocate(max_size, name="dst"),  # memfd: mapped by same-host peers
@@ -229,8 +232,8 @@ async def notify_latency(
 
 
 class TargetProcess(LineChild):
-    def __init__(self, max_size: int) -> None:
-        super().__init__("aiohixl.tools.bench", "--serve", str(max_size))
+    def __init__(self, max_size: int, busy_poll_us: int = 0) -> None:
+        super().__init__("aiohixl.tools.bench", "--serve", str(max_size), "--serve-busy-poll", str(busy_poll_us))
         self.address = self.first
 
     def cpu(self) -> float:
@@ -338,6 +341,9 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
                 out["latency"][f"{op} {_fmt_size(size)}"] = await latency(peer, op, remote, local, size, plan.lat_ops)
                 progress.step(f"{name} {op} latency {_fmt_size(size)}")
         size = plan.lat_sizes[0]
+        if name == "tcp":
+            out["latency"].update(await busy_poll_latency(plan, size))
+            progress.step(f"{name} latency, busy_poll_us={plan.busy_poll_us}")
         out["latency"][f"put {_fmt_size(size)} (slices per op)"] = await user_path_latency(
             peer, remote, local, size, plan.lat_ops
         )
@@ -373,6 +379,23 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
             got = target.ask(f"hash {'udst' if name == 'shm-cma' else 'dst'} {max_size}")
         out["verified"] = got == want
     results.transports[name] = out
+
+
+async def busy_poll_latency(plan: Plan, size: int) -> dict[str, dict[str, float]]:
+    """tcp's opt-in latency mode: both agents made with busy_poll_us (a target process of its own)."""
+    out = {}
+    target = TargetProcess(size, plan.busy_poll_us)
+    try:
+        async with aiohixl.Agent("bench-tcp-busy-poll", token=TOKEN, busy_poll_us=plan.busy_poll_us) as agent:
+            local = agent.allocate(size)
+            peer = await agent.connect(target.address, transports=("tcp",))
+            remote = await peer.region("dst")
+            for op in ("put", "get"):
+                key = f"{op} {_fmt_size(size)}, busy_poll_us={plan.busy_poll_us}"
+                out[key] = await latency(peer, op, remote, local, size, plan.lat_ops)
+    finally:
+        target.close()
+    return out
 
 
 async def idle_cpu(seconds: float, target: TargetProcess) -> dict[str, float]:
@@ -428,6 +451,11 @@ def render_peers(r: Results) -> list[str]:
             f"{ours['bandwidth'][s]['one_gbps'] / p['bandwidth_gbps'][str(_size_of(s))]:>9.2f}x" for s in sizes
         )
         lines.append(row)
+        busy = next((k for k in olat if k.startswith("put 4 KiB, busy_poll_us=")), None)
+        if busy:
+            b4 = olat[busy]["median_us"]
+            label = "aiohixl " + ours_name + ", " + busy.split(", ")[1]
+            lines.append(f"  {label:<22}{b4:>8.1f} us  (advantage {lat['4096']['median'] / b4:.2f}x at 4 KiB)")
     return lines
 
 
@@ -611,6 +639,10 @@ def render(r: Results) -> str:
                 presliced = t["latency"].get(key.replace(" (slices per op)", ""))
                 if presliced:
                     extra = f"   ({v['median_us'] / presliced['median_us']:.2f}x the presliced put)"
+            if "busy_poll_us=" in key:
+                default = t["latency"].get(key.split(",")[0])
+                if default:
+                    extra = f"   ({v['median_us'] / default['median_us']:.2f}x the default)"
             lines.append(f"  {key:<14} {v['median_us']:8.1f} us {v['p99_us']:8.1f} us{extra}")
         lines.append(
             "  bandwidth (put)    1 in flight    1 at a time over N   N in flight    N/1 over N   vs its physical limit"
@@ -655,7 +687,7 @@ def render(r: Results) -> str:
         i = r.machine["idle"]
         lines += [
             "",
-            f"idle connected agents over {i['seconds']:.0f} s: initiator {i['initiator_pct']:.2f}% "
+            f"idle connected agents (busy_poll_us=0) over {i['seconds']:.0f} s: initiator {i['initiator_pct']:.2f}% "
             f"of a core, target {i['target_pct']:.2f}%",
         ]
     return "\n".join(lines)
@@ -708,6 +740,7 @@ async def bench(args: argparse.Namespace) -> Results:
         machine={"cpus": os.cpu_count(), "python": sys.version.split()[0], "quick": args.quick, "full": args.full}
     )
     steps = 5 + 4 * len(plan.bw_sizes) + len(transports) * (2 * len(plan.lat_sizes) + len(plan.bw_sizes) + 3) + 1
+    steps += "tcp" in transports  # its latency mode
     steps += len(PEER_RUNS) if args.peers else 0
     steps += len(plan.reg_sizes)
     progress = Progress(steps)
@@ -763,9 +796,10 @@ def main(argv: list[str] | None = None) -> int:
         help="also run NIXL (nixl-cu12) and Mooncake (mooncake-transfer-engine-non-cuda) when installed",
     )
     p.add_argument("--serve", type=int, metavar="BYTES", help=argparse.SUPPRESS)
+    p.add_argument("--serve-busy-poll", type=int, default=0, metavar="US", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
-        asyncio.run(serve(args.serve))
+        asyncio.run(serve(args.serve, args.serve_busy_poll))
         return 0
     results = asyncio.run(bench(args))
     print(render(results))

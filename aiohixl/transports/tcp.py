@@ -45,6 +45,7 @@ class TcpTransport(Transport):
         lib.hx_agent_set_stall(native, int(stall * 1e9))
         interval, timeout = options.get("heartbeat", (1.0, 5.0))
         lib.hx_agent_set_heartbeat(native, int(interval * 1e9), int(timeout * 1e9))
+        lib.hx_agent_set_busy_poll(native, options.get("busy_poll_us", 0))
 
     async def take_data_connection(self, ch: c.Channel, session: SessionView) -> bool:
         fd = ch.fileno_for_handoff()
