@@ -69,6 +69,7 @@ class Region:
         self.name = name
         self.access = access
         self.pinned = pinned
+        self._len = pinned.nbytes
         self.closed = False
         # Ops of this agent in flight that touch the region, and who waits for none.
         self.ops_in_flight = 0
@@ -101,7 +102,13 @@ class Region:
         return self.nbytes
 
     def __getitem__(self, key: slice) -> RegionSlice:
-        offset, nbytes = slice_range(key, self.pinned.nbytes, "Region {}", self)
+        if type(key) is slice:  # the usual [a:b] of ints in range, on every op: no call
+            start, stop = key.start, key.stop
+            start = 0 if start is None else start
+            stop = self._len if stop is None else stop
+            if type(start) is int and type(stop) is int and key.step is None and 0 <= start <= stop <= self._len:
+                return RegionSlice(self, start, stop - start)
+        offset, nbytes = slice_range(key, self._len, "Region {}", self)
         return RegionSlice(self, offset, nbytes)
 
     def as_slice(self) -> RegionSlice:
@@ -166,6 +173,12 @@ class RegionSlice:
         return self.nbytes
 
     def __getitem__(self, key: slice) -> RegionSlice:
+        if type(key) is slice:  # as Region.__getitem__
+            start, stop = key.start, key.stop
+            start = 0 if start is None else start
+            stop = self.nbytes if stop is None else stop
+            if type(start) is int and type(stop) is int and key.step is None and 0 <= start <= stop <= self.nbytes:
+                return RegionSlice(self.region, self.offset + start, stop - start)
         offset, nbytes = slice_range(key, self.nbytes, "slice of region {}", self.region)
         return RegionSlice(self.region, self.offset + offset, nbytes)
 

@@ -11,7 +11,7 @@ __all__ = ["RemoteRegion", "RemoteSlice"]
 class RemoteRegion:
     """A region of a peer's agent, as its descriptor describes it. Slice it like a Region."""
 
-    __slots__ = ("info", "id", "agent_id", "rights", "key", "route_key")
+    __slots__ = ("info", "id", "agent_id", "rights", "key", "route_key", "_len")
 
     def __init__(self, info: RegionInfo) -> None:
         self.info = info
@@ -21,6 +21,7 @@ class RemoteRegion:
         self.rights = int(info.access)
         self.key = info.key
         self.route_key = (self.id, self.key)  # a peer's routes are by (id, key): one tuple, not one per op
+        self._len = info.nbytes
 
     @property
     def name(self) -> str | None:
@@ -38,7 +39,13 @@ class RemoteRegion:
         return self.info.nbytes
 
     def __getitem__(self, key: slice) -> RemoteSlice:
-        offset, nbytes = slice_range(key, self.info.nbytes, "RemoteRegion {}", self)
+        if type(key) is slice:  # the usual [a:b] of ints in range, on every op: no call
+            start, stop = key.start, key.stop
+            start = 0 if start is None else start
+            stop = self._len if stop is None else stop
+            if type(start) is int and type(stop) is int and key.step is None and 0 <= start <= stop <= self._len:
+                return RemoteSlice(self, start, stop - start)
+        offset, nbytes = slice_range(key, self.nbytes, "RemoteRegion {}", self)
         return RemoteSlice(self, offset, nbytes)
 
     def as_slice(self) -> RemoteSlice:
@@ -68,6 +75,12 @@ class RemoteSlice:
         return self.nbytes
 
     def __getitem__(self, key: slice) -> RemoteSlice:
+        if type(key) is slice:  # as RemoteRegion.__getitem__
+            start, stop = key.start, key.stop
+            start = 0 if start is None else start
+            stop = self.nbytes if stop is None else stop
+            if type(start) is int and type(stop) is int and key.step is None and 0 <= start <= stop <= self.nbytes:
+                return RemoteSlice(self.region, self.offset + start, stop - start)
         offset, nbytes = slice_range(key, self.nbytes, "slice of remote region {}", self.region)
         return RemoteSlice(self.region, self.offset + offset, nbytes)
 

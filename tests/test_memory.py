@@ -119,6 +119,29 @@ async def test_slicing(agent):
         region[0:10:2]
 
 
+async def test_every_kind_of_slice_agrees_with_the_rule(agent):
+    # Region, RegionSlice, RemoteRegion, RemoteSlice have a fast path for [int:int]; whatever
+    # takes it or not, a slice is Python's, except that out of range is an error, not clamped.
+    from aiohixl.remote import RemoteRegion
+
+    region = agent.allocate(64)
+    remote = RemoteRegion(decode(region.descriptor()))
+    keys = [None, 0, 1, 5, 63, 64, 65, -1, -64, -65, np.int64(3), True]
+    for whole in (region, region[0:64], remote, remote[0:64]):
+        inner = whole[8:40]
+        for of, base, length in ((whole, 0, 64), (inner, 8, 32)):
+            for start in keys:
+                for stop in keys:
+                    lo = 0 if start is None else int(start) + (length if int(start) < 0 else 0)
+                    hi = length if stop is None else int(stop) + (length if int(stop) < 0 else 0)
+                    if 0 <= lo <= hi <= length:
+                        s = of[start:stop]
+                        assert (s.offset, s.nbytes) == (base + lo, hi - lo), (of, start, stop)
+                    else:
+                        with pytest.raises(aiohixl.OutOfBounds):
+                            of[start:stop]
+
+
 async def test_duplicate_name_refused(agent):
     agent.allocate(10, name="kv")
     with pytest.raises(aiohixl.InvalidArgument, match="already registered"):
