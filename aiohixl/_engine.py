@@ -18,7 +18,10 @@ import anyio
 from ._backends import Backend, current_backend
 from ._native import check, ffi, lib, status_error
 from .errors import ClosedError, HixlError, TransferTimeout, WrongEventLoop
-from .memory import Region
+from .memory import Region, RegionSlice
+from .remote import RemoteSlice
+
+_post1 = lib.hx_peer_post1  # one lookup, not one per op
 
 __all__ = ["Engine"]
 
@@ -130,6 +133,17 @@ class Engine:
             self.completed += 1
             return None
         return self._track(op_id, rc, keep, what, owner)
+
+    def post1(self, handle: Any, opcode: int, rs: RemoteSlice, ls: RegionSlice, what: str, owner: OpOwner) -> Any:
+        """post() of one checked pair, with scalar arguments: the hot path of a single put/get."""
+        rr, region = rs.region, ls.region
+        op_id = self.last_op_id = self._next_id
+        self._next_id = op_id + 1
+        rc = _post1(handle, opcode, op_id, region.id, ls.offset, rr.id, rs.offset, rs.nbytes, rr.key)
+        if rc == 1:  # HX_DONE_INLINE
+            self.completed += 1
+            return None
+        return self._track(op_id, rc, (region,), what, owner)
 
     BUSY = object()  # post_with(busy_ok=True): the receiver has no room yet
 

@@ -28,7 +28,7 @@ from .errors import (
 from .memory import Access, Region, RegionSlice
 from .notifications import note_bytes
 from .remote import RemoteRegion, RemoteSlice
-from .transports.base import Link, Pair, post1
+from .transports.base import Link, Pair
 
 _PUT, _GET = int(lib.HX_OP_PUT), int(lib.HX_OP_GET)
 
@@ -360,18 +360,13 @@ class Peer:
                 if route is None:
                     return None  # its path is set up on first use: that awaits
                 link = route[0]
-            if link.plain_post:  # Link.post_one, written out
-                op_id = engine.last_op_id = engine._next_id
-                engine._next_id = op_id + 1
-                region = ls.region
-                rc = post1(link.handle, opcode, op_id, region.id, ls.offset, rr.id, rs.offset, rs.nbytes, rr.key)
-                if rc != 1:  # HX_DONE_INLINE
-                    return engine._track(op_id, rc, (region,), what, self)
-                engine.completed += 1
-            else:
-                waiter = link.post_one(engine, opcode, rs, ls, what, self)
-                if waiter is not None:
-                    return waiter
+            waiter = (
+                engine.post1(link.handle, opcode, rs, ls, what, self)  # Link.post_one, minus one call
+                if link.plain_post
+                else link.post_one(engine, opcode, rs, ls, what, self)
+            )
+            if waiter is not None:
+                return waiter
         return engine.backend.done  # type: ignore[union-attr]  # attached: loop is set
 
     async def put_many(

@@ -25,8 +25,6 @@ from ..descriptor import RegionInfo
 from ..memory import Region, RegionSlice
 from ..remote import RemoteSlice
 
-post1 = lib.hx_peer_post1  # one lookup, not one per op
-
 Pair = tuple[RemoteSlice, RegionSlice]
 Handler = Callable[[Any], Awaitable[None] | None]
 
@@ -173,7 +171,7 @@ class Link:
     is_channel: ClassVar[bool] = False
     # Notifications on this link follow its data in order, so need no fence.
     ordered_notes: ClassVar[bool] = False
-    # post_one is Link's own (Peer's fast path writes it out), not a transport's override.
+    # post_one is Link's own (Peer's fast path calls Engine.post1 itself), not a transport's override.
     plain_post: ClassVar[bool] = True
 
     def __init__(self, handle: Any) -> None:
@@ -198,14 +196,7 @@ class Link:
 
     def post_one(self, engine: Engine, opcode: int, rs: RemoteSlice, ls: RegionSlice, what: str, owner: OpOwner) -> Any:
         """Post one checked pair; its waiter, or None when it finished inline."""
-        rr, region = rs.region, ls.region
-        op_id = engine.last_op_id = engine._next_id
-        engine._next_id = op_id + 1
-        rc = post1(self.handle, opcode, op_id, region.id, ls.offset, rr.id, rs.offset, rs.nbytes, rr.key)
-        if rc == 1:  # HX_DONE_INLINE
-            engine.completed += 1
-            return None
-        return engine._track(op_id, rc, (region,), what, owner)
+        return engine.post1(self.handle, opcode, rs, ls, what, owner)
 
     def pack(self, group: list[Pair]) -> Any:
         """The native scatter list of a group: local region/offset <-> remote region/offset."""
