@@ -1,5 +1,6 @@
 """Registration of every buffer kind, allocate(), slicing and descriptors."""
 
+import asyncio
 import mmap
 
 import numpy as np
@@ -103,6 +104,50 @@ async def test_allocate_is_zeroed_page_aligned_memfd(agent):
     assert not any(region.memory)
     region.memory[:5] = b"hello"
     assert bytes(region[0:5].memory) == b"hello"
+
+
+def _resident_pages(address: int, nbytes: int) -> int:
+    """How many pages of [address, address + nbytes) are in memory (mincore)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec)
+
+
+async def test_register_faults_every_page_in_and_keeps_the_contents(agent):
+    """Populated in 64 MiB chunks, huge pages probed against small ones: every page is in
+    memory once register() returns, and what the buffer held is still there."""
+    buf = np.empty(300 << 20, dtype=np.uint8)  # malloc'd: its own mapping, untouched
+    buf[:: 1 << 20] = 7  # a few pages written before, the rest never touched
+    region = agent.register(buf)
+    assert _resident_pages(region.address & ~(mmap.PAGESIZE - 1), region.nbytes) >= region.nbytes // mmap.PAGESIZE
+    assert (buf[:: 1 << 20] == 7).all() and not buf[1::4099].any()
+    await region.close()
+
+
+async def test_allocate_async_lets_the_loop_run_and_returns_a_faulted_region(agent):
+    src = agent.allocate(1 << 20, name="src")
+    src.memory[:] = b"\x05" * (1 << 20)
+    peer = agent.loopback()
+    order = []
+
+    async def meanwhile():
+        await peer.put(await peer.region("src"), src)  # the loop serves ops while the pool faults in
+        order.append("put")
+
+    task = asyncio.create_task(meanwhile())
+    pool = await agent.allocate_async(256 << 20, name="pool")
+    order.append("allocated")
+    await task
+    assert order == ["put", "allocated"]
+    assert _resident_pages(pool.address, pool.nbytes) == pool.nbytes // mmap.PAGESIZE
+    await peer.put((await peer.region("pool"))[: 1 << 20], src)
+    assert bytes(pool[: 1 << 20].memory) == bytes(src.memory)
+    user = await agent.register_async(np.zeros(64 << 20, dtype=np.uint8))
+    assert _resident_pages(user.address & ~(mmap.PAGESIZE - 1), user.nbytes) >= user.nbytes // mmap.PAGESIZE
 
 
 async def test_slicing(agent):
