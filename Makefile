@@ -68,7 +68,7 @@ lint: venv
 	clang-format --dry-run --Werror $(C_SOURCES)
 
 clean:
-	rm -rf $(VENV) build *.egg-info aiohixl/_hixl*.so aiohixl/tools/_baselines*.so
+	rm -rf $(VENV) build *.egg-info aiohixl/_hixl*.so aiohixl/_span*.so aiohixl/tools/_baselines*.so
 
 # The RDMA tier: tests/rdma inside a throwaway VM with the Soft-RoCE device rxe0.
 SOFTROCE := tests/softroce

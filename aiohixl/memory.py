@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
-from typing import Any, Protocol
+import operator
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ._span import Span, set_fallback
 from .errors import ClosedError, OutOfBounds, UnsupportedMemory
 from .memkinds import Pinned
 
@@ -36,8 +38,11 @@ def slice_range(key: Any, length: int, what: str, of: _Labelled) -> tuple[int, i
     start, stop, step = key.start, key.stop, key.step
     if step is not None and step != 1:
         raise UnsupportedMemory(f"{what.format(of.label())}[...]: a step of {step} is not contiguous")
-    start = 0 if start is None else start.__index__()
-    stop = length if stop is None else stop.__index__()
+    try:
+        start = 0 if start is None else operator.index(start)
+        stop = length if stop is None else operator.index(stop)
+    except TypeError:
+        raise TypeError(f"{what.format(of.label())}[{key.start!r}:{key.stop!r}]: bounds are ints") from None
     if start < 0:
         start += length
     if stop < 0:
@@ -45,6 +50,17 @@ def slice_range(key: Any, length: int, what: str, of: _Labelled) -> tuple[int, i
     if not 0 <= start <= stop <= length:
         raise OutOfBounds(f"{what.format(of.label())}[{key.start}:{key.stop}] is outside [0, {length})")
     return start, stop - start
+
+
+def _slice_by_rule(span: Any, key: Any) -> Any:
+    """What the native ``Span[...]`` leaves to Python: negative or open bounds, a step,
+    no slice at all, out of range. The same span as the C path, or the library's error."""
+    region = span if span.region is None else span.region
+    offset, nbytes = slice_range(key, span.nbytes, span._what, region)
+    return (span._sliced_as or type(span))(region, span.offset + offset, nbytes)
+
+
+set_fallback(_slice_by_rule)
 
 
 class RegionOwner(Protocol):
@@ -57,19 +73,24 @@ class RegionOwner(Protocol):
     def describe(self, region: Region) -> bytes: ...
 
 
-class Region:
+class Region(Span):
     """Memory registered with an agent. Slice it (``region[a:b]``) to name part of it."""
+
+    _what = "Region {}"
+    if TYPE_CHECKING:
+
+        def __getitem__(self, key: slice) -> RegionSlice: ...
 
     def __init__(
         self, agent: RegionOwner, region_id: int, pinned: Pinned, access: Access, name: str | None, key: int = 0
     ) -> None:
+        super().__init__(None, 0, pinned.nbytes, RegionSlice)  # offset 0, nbytes: slicing's bounds
         self.agent = agent
         self.id = region_id
         self.key = key  # the secret in its descriptor: peers reach it only with it
         self.name = name
         self.access = access
         self.pinned = pinned
-        self._len = pinned.nbytes
         self.closed = False
         # Ops of this agent in flight that touch the region, and who waits for none.
         self.ops_in_flight = 0
@@ -78,10 +99,6 @@ class Region:
     @property
     def address(self) -> int:
         return self.pinned.address
-
-    @property
-    def nbytes(self) -> int:
-        return self.pinned.nbytes
 
     @property
     def kind(self) -> str:
@@ -97,19 +114,6 @@ class Region:
         """A writable (unless registered read-only) view of the whole region."""
         self.check_open("Region.memory")
         return memoryview(self.pinned.memory).cast("B")
-
-    def __len__(self) -> int:
-        return self.nbytes
-
-    def __getitem__(self, key: slice) -> RegionSlice:
-        if type(key) is slice:  # the usual [a:b] of ints in range, on every op: no call
-            start, stop = key.start, key.stop
-            start = 0 if start is None else start
-            stop = self._len if stop is None else stop
-            if type(start) is int and type(stop) is int and key.step is None and 0 <= start <= stop <= self._len:
-                return RegionSlice(self, start, stop - start)
-        offset, nbytes = slice_range(key, self._len, "Region {}", self)
-        return RegionSlice(self, offset, nbytes)
 
     def as_slice(self) -> RegionSlice:
         return RegionSlice(self, 0, self.nbytes)
@@ -159,28 +163,16 @@ class Region:
         return f"<Region {self.label()} {self.nbytes} bytes {self.access!s}{state}>"
 
 
-class RegionSlice:
+class RegionSlice(Span):
     """``nbytes`` bytes of a local region starting at ``offset``. A view: no copy."""
 
-    __slots__ = ("region", "offset", "nbytes")
+    __slots__ = ()
+    _what = "slice of region {}"
+    if TYPE_CHECKING:
+        region: Region
 
-    def __init__(self, region: Region, offset: int, nbytes: int) -> None:
-        self.region = region
-        self.offset = offset
-        self.nbytes = nbytes
-
-    def __len__(self) -> int:
-        return self.nbytes
-
-    def __getitem__(self, key: slice) -> RegionSlice:
-        if type(key) is slice:  # as Region.__getitem__
-            start, stop = key.start, key.stop
-            start = 0 if start is None else start
-            stop = self.nbytes if stop is None else stop
-            if type(start) is int and type(stop) is int and key.step is None and 0 <= start <= stop <= self.nbytes:
-                return RegionSlice(self.region, self.offset + start, stop - start)
-        offset, nbytes = slice_range(key, self.nbytes, "slice of region {}", self.region)
-        return RegionSlice(self.region, self.offset + offset, nbytes)
+        def __init__(self, region: Region, offset: int, nbytes: int) -> None: ...
+        def __getitem__(self, key: slice) -> RegionSlice: ...
 
     @property
     def memory(self) -> memoryview:

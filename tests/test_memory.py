@@ -187,6 +187,36 @@ async def test_every_kind_of_slice_agrees_with_the_rule(agent):
                             of[start:stop]
 
 
+async def test_slices_are_read_only_and_odd_keys_get_clear_errors(agent):
+    import sys
+
+    from aiohixl.memory import RegionSlice
+
+    region = agent.allocate(64, name="r")
+    s = region[8:40]
+    with pytest.raises(AttributeError):
+        s.offset = 0  # a span names memory that was checked: it does not move
+    with pytest.raises(AttributeError):
+        region.nbytes = 1 << 40
+    for key, error in [
+        (slice(0, sys.maxsize), aiohixl.OutOfBounds),  # clipped by CPython's slice unpacking: still out
+        (slice(-sys.maxsize * 4, 4), aiohixl.OutOfBounds),
+        (slice(1.0, 2), TypeError),
+        (slice("a", None), TypeError),
+        (slice(0, 4, 0), aiohixl.UnsupportedMemory),
+        (3, TypeError),
+    ]:
+        for of in (region, s):
+            with pytest.raises(error, match="'r'"):
+                of[key]
+    assert len(region) == 64 and len(s) == 32 and region[3:][1:].offset == 4
+    bare = RegionSlice.__new__(RegionSlice)  # never initialised: refused, not read as garbage
+    with pytest.raises(TypeError):
+        bare[0:1]
+    with pytest.raises(ValueError):
+        RegionSlice(region, -1, 4)
+
+
 async def test_duplicate_name_refused(agent):
     agent.allocate(10, name="kv")
     with pytest.raises(aiohixl.InvalidArgument, match="already registered"):

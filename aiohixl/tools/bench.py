@@ -185,18 +185,21 @@ async def registration(sizes: tuple[int, ...], progress: Progress) -> dict[str, 
     out: dict[str, dict[str, Any]] = {}
     async with aiohixl.Agent("bench-registration") as agent:
         for size in sizes:
+            # Each region is dropped (unmapped) before the next timing starts: rebinding one
+            # name would unmap the last GiBs inside the next measurement.
             row: dict[str, Any] = {"populate_memfd_gibps": _populate_gibps(size, True)}
             start = time.perf_counter()
             region = agent.allocate(size)
             row["allocate_gibps"] = size / (time.perf_counter() - start) / (1 << 30)
             await region.close()
+            del region
             row["populate_anon_gibps"] = _populate_gibps(size, False)
             buf = np.empty(size, dtype=np.uint8)  # malloc'd, not yet touched
             start = time.perf_counter()
             region = agent.register(buf)
             row["register_gibps"] = size / (time.perf_counter() - start) / (1 << 30)
             await region.close()
-            del buf
+            del region, buf
             stop = asyncio.Event()
             task = asyncio.create_task(_loop_lag(stop))
             start = time.perf_counter()
@@ -205,6 +208,7 @@ async def registration(sizes: tuple[int, ...], progress: Progress) -> dict[str, 
             stop.set()
             row["allocate_async_max_stall_ms"] = await task * 1e3
             await region.close()
+            del region
             out[f"{size >> 20} MiB" if size < (1 << 30) else f"{size >> 30} GiB"] = row
             progress.step(f"registration {size >> 20} MiB")
     return out
