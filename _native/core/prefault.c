@@ -9,8 +9,8 @@
  * default) a fault that finds no free 2 MiB block compacts memory first, and
  * a 1 GiB populate measured here ran anywhere from 0.6 to 11 GiB/s with huge
  * pages against a steady 2.4 with small ones. So each thread populates its
- * share in 16 MiB chunks, times the first with small pages, and keeps huge
- * pages only while they fault in at least as fast. */
+ * share in 16 MiB chunks and keeps huge pages only while a chunk faults in at
+ * least as fast as small pages do (timed once per process, on scratch memory). */
 #include "internal.h"
 #include <errno.h>
 #include <stdlib.h>
@@ -66,20 +66,37 @@ static double timed_populate(uint8_t *addr, uint64_t len, int advice)
     return (now() - t) / (double)len;
 }
 
+/* Seconds per byte of a populate with small pages: measured once per process,
+ * on a scratch mapping, so that every page of a region may still be huge. */
+static double small_cost;
+static pthread_once_t small_once = PTHREAD_ONCE_INIT;
+
+static void measure_small_cost(void)
+{
+    uint64_t len = 8ull << 20;
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return;
+    madvise(p, len, MADV_NOHUGEPAGE);
+    double cost = timed_populate(p, len, MADV_POPULATE_WRITE);
+    munmap(p, len);
+    small_cost = cost > 0 ? cost : 0;
+}
+
 static void *populate(void *arg)
 {
     piece *w = arg;
     int advice = w->write ? MADV_POPULATE_WRITE : MADV_POPULATE_READ;
     uint8_t *p = w->addr, *end = w->addr + w->len;
-    double small = 0; /* seconds per byte with small pages, once measured */
+    double small = 0;
+    if (w->huge) {
+        pthread_once(&small_once, measure_small_cost);
+        small = small_cost;
+    }
     w->rc = 0;
     while (p < end) {
         uint8_t *next = (uint8_t *)(((uintptr_t)p + CHUNK) & ~(uintptr_t)(HUGE - 1));
         uint64_t n = (uint64_t)((next < end ? next : end) - p);
-        /* The first chunk, if huge pages could apply: timed with small ones. */
-        bool probe = small == 0 && next < end && w->huge;
-        if (probe)
-            madvise(p, n, MADV_NOHUGEPAGE);
         double cost = timed_populate(p, n, advice);
         if (cost < 0) {
             w->rc = -1;
@@ -87,10 +104,7 @@ static void *populate(void *arg)
             return NULL;
         }
         p += n;
-        if (probe) {
-            small = cost;
-            madvise(p, (uint64_t)(end - p), MADV_HUGEPAGE); /* split the mapping back */
-        } else if (small > 0 && w->huge && cost > small) {
+        if (w->huge && small > 0 && cost > small && p < end) {
             madvise(p, (uint64_t)(end - p), MADV_NOHUGEPAGE); /* compaction: small pages from here */
             w->huge = false;
         }

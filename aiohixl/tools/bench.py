@@ -323,8 +323,9 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
     max_size = max(plan.bw_sizes) * max(1, plan.inflight if max(plan.bw_sizes) <= 16 * MiB else 1)
     max_size = max(max_size, 256 * 4 * KiB)
     async with aiohixl.Agent(f"bench-{name}", token=TOKEN) as agent:
-        local = agent.allocate(max_size)
-
+        # shm-cma: user memory at both ends, numpy's as the peers' bench buffers are (malloc'd,
+        # 16 bytes into a page): the same geometry for every contender on that path.
+        local = agent.register(np.zeros(max_size, dtype=np.uint8)) if name == "shm-cma" else agent.allocate(max_size)
         np.frombuffer(local.memory, dtype=np.uint8)[:] = np.random.default_rng(5).integers(
             0, 256, max_size, dtype=np.uint8
         )
