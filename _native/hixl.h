@@ -29,8 +29,13 @@ enum {
 
 enum { HX_ACCESS_REMOTE_WRITE = 1, HX_ACCESS_REMOTE_READ = 2 };
 enum { HX_OP_PUT = 1, HX_OP_GET = 2 };
-/* hx_peer_post: the op finished inline, no completion will follow. */
-enum { HX_POSTED = 0, HX_DONE_INLINE = 1 };
+/* Or'ed into hx_peer_post's opcode: the caller calls hx_peer_flush soon
+ * (asyncio: once the loop's current callbacks have run), so a transport may
+ * hold the op until then and send a burst of them together. */
+enum { HX_OP_HOLD = 0x100 };
+/* hx_peer_post: HX_DONE_INLINE: the op finished inline, no completion will
+ * follow; HX_POSTED_HELD: posted, and held until hx_peer_flush. */
+enum { HX_POSTED = 0, HX_DONE_INLINE = 1, HX_POSTED_HELD = 2 };
 
 typedef struct {
     uint64_t op_id;
@@ -112,6 +117,8 @@ int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uin
  * single put or get from Python). */
 int hx_peer_post1(hx_peer *p, int opcode, uint64_t op_id, uint32_t local_region, uint64_t local_off,
                   uint32_t remote_region, uint64_t remote_off, uint64_t len, uint64_t remote_key);
+/* Sends the ops hx_peer_post held (HX_POSTED_HELD). */
+void hx_peer_flush(hx_peer *p);
 /* Fails the peer's queued ops with HX_E_CLOSED; ops already copying finish. */
 void hx_peer_close(hx_peer *p);
 /* Fails every op outstanding on the peer with status (e.g. HX_E_CONNLOST when

@@ -71,6 +71,9 @@ typedef struct hx_peer_ops {
     void (*fail)(hx_peer *p, int status);
     void (*destroy)(hx_peer *p);
     int transport; /* HX_TRANSPORT_*: the slot of the agent's counters (hx_stats) */
+    /* Sends what post held (NULL: the transport holds nothing; the opcode
+     * it gets never has HX_OP_HOLD then). */
+    void (*flush)(hx_peer *p);
 } hx_peer_ops;
 
 struct hx_peer {

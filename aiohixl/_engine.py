@@ -22,6 +22,8 @@ from .memory import Region, RegionSlice
 from .remote import RemoteSlice
 
 _post1 = lib.hx_peer_post1  # one lookup, not one per op
+_flush = lib.hx_peer_flush
+_HOLD = lib.HX_OP_HOLD
 
 __all__ = ["Engine"]
 
@@ -65,6 +67,8 @@ class Engine:
         self.backend: Backend | None = None
         self.loop: Any = None  # the asyncio loop attached to (the fast path posts at the call), else None
         self.loop_is_base = False  # it is asyncio's own loop: its _thread_id says which thread runs it
+        self._hold = 0  # HX_OP_HOLD where the loop can run the flush (asyncio: call_soon)
+        self._burst = False  # the last flush sent more than one op
         self._ops: dict[int, _Op] = {}
         self._next_id = 1
         self._batch = ffi.new("hx_completion[]", _DRAIN_BATCH)
@@ -73,6 +77,7 @@ class Engine:
         self.unknown_completions = 0  # completions of no outstanding op: a bug if ever > 0
         self.last_op_id = 0  # the id of the op posted last (what a notification may follow)
         self.on_wake: Any = None  # called after each drain: notifications may have arrived
+        self._held: list[tuple[Any, int]] = []  # (handle, op id) of ops held until _flush_held
 
     @property
     def outstanding(self) -> int:
@@ -95,6 +100,7 @@ class Engine:
             backend.watch(self.fd, self.drain)
             if backend.name == "asyncio":
                 self.loop = backend.loop  # type: ignore[attr-defined]
+                self._hold = _HOLD
                 self.loop_is_base = isinstance(self.loop, asyncio.BaseEventLoop) and hasattr(self.loop, "_thread_id")
         elif not backend.is_current():
             raise WrongEventLoop(
@@ -135,15 +141,40 @@ class Engine:
         return self._track(op_id, rc, keep, what, owner)
 
     def post1(self, handle: Any, opcode: int, rs: RemoteSlice, ls: RegionSlice, what: str, owner: OpOwner) -> Any:
-        """post() of one checked pair, with scalar arguments: the hot path of a single put/get."""
+        """post() of one checked pair, with scalar arguments: the hot path of a single put/get.
+
+        Under asyncio the transport may hold the op (HX_POSTED_HELD) until the
+        loop's current callbacks have run, so the ops a gather posts go out
+        together (tcp: large puts). Asked while ops come in bursts: others are
+        outstanding, or the last flush sent several; a lone op awaited before
+        the next goes out at once (holding it only adds to its latency)."""
         rr, region = rs.region, ls.region
         op_id = self.last_op_id = self._next_id
         self._next_id = op_id + 1
-        rc = _post1(handle, opcode, op_id, region.id, ls.offset, rr.id, rs.offset, rs.nbytes, rr.key)
+        hold = self._hold if self._burst or self._ops else 0
+        rc = _post1(handle, opcode | hold, op_id, region.id, ls.offset, rr.id, rs.offset, rs.nbytes, rr.key)
         if rc == 1:  # HX_DONE_INLINE
             self.completed += 1
             return None
+        if rc == 2:  # HX_POSTED_HELD
+            if not self._held:
+                self.loop.call_soon(self._flush_held)
+            self._held.append((handle, op_id))
         return self._track(op_id, rc, (region,), what, owner)
+
+    def _flush_held(self) -> None:
+        held, self._held = self._held, []
+        self._burst = len(held) > 1
+        if self.native is None:
+            return  # freed (an abandoned agent): its connections with it
+        flushed = set()
+        ops = self._ops
+        for handle, op_id in held:
+            # An op still outstanding keeps its peer's handles alive; one that
+            # ended already (its connection failed) has nothing left to send.
+            if op_id in ops and handle not in flushed:
+                flushed.add(handle)
+                _flush(handle)
 
     BUSY = object()  # post_with(busy_ok=True): the receiver has no room yet
 

@@ -76,6 +76,67 @@ async def test_both_directions_at_once(pair):
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_medium_puts_held_for_the_burst_land_in_order(pair):
+    """Puts of 32 KiB or more posted at the call wait for the end of the loop's current callbacks
+    and go out as one burst: they land, and what is posted after them (a small put sent at once,
+    a notification) still comes after them on the wire."""
+    peer, kv, src, src_arr, target = pair["peer"], pair["kv"], pair["src"], pair["src_arr"], pair["target"]
+    size, count = 64 << 10, 16
+    # The same range, written in turn: the last put posted is what stays there.
+    await asyncio.gather(*(peer.put(kv[:size], src[i * size : (i + 1) * size]) for i in range(count)))
+    assert await target.hash("kv", 0, size) == sha(src_arr[(count - 1) * size : count * size])
+    # A small put (not held) posted after held ones overwrites them, not the other way round.
+    await asyncio.gather(
+        *(peer.put(kv[:size], src[i * size : (i + 1) * size]) for i in range(count)), peer.put(kv[:4096], src[:4096])
+    )
+    assert await target.hash("kv", 0, 4096) == sha(src_arr[:4096])
+    assert await target.hash("kv", 4096, size - 4096) == sha(src_arr[(count - 1) * size + 4096 : count * size])
+    # A notification posted behind held puts arrives once their bytes are in place.
+    off = 8 * size
+    held = [peer.put(kv[off + i * size : off + (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count)]
+    message = f"kv:{off}:{size * count}:{sha(src_arr[: size * count])}".encode()
+    check = asyncio.create_task(target.cmd(op="take_note"))
+    await peer.put(kv[:4096], src[:4096], notify=message)
+    await asyncio.gather(*held)
+    assert (await check)["in_place"]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_held_puts_go_out_while_the_event_loop_is_blocked(pair):
+    """The flush of held puts is a loop callback; a loop blocked right after posting (a
+    synchronous forward pass) does not keep them back: the I/O thread sends them."""
+    peer, kv, src, src_arr, target = pair["peer"], pair["kv"], pair["src"], pair["src_arr"], pair["target"]
+    size, count = 64 << 10, 8
+    engine = pair["agent"].engine
+    held = [peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count)]
+    # Well within a heartbeat interval (1 s), whose frames would wake the I/O thread too.
+    deadline = time.monotonic() + 0.5
+    while not all(f.done() for f in held) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the loop is blocked: no callback runs, the flush included
+        engine.drain()  # what the loop would do with the completions, done here to see them
+    assert all(f.done() for f in held)
+    await asyncio.gather(*held)
+    assert await target.hash("kv", 0, size * count) == sha(src_arr[: size * count])
+
+
+async def test_held_puts_of_a_peer_closed_at_once_end_and_nothing_hangs():
+    target = await Target.start()
+    try:
+        await target.alloc("kv", 4 << 20)
+        async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
+            src = agent.allocate(1 << 20)
+            for _ in range(5):
+                peer = await agent.connect(target.address)
+                kv = await peer.region("kv")
+                held = [peer.put(kv[i << 16 : (i + 1) << 16], src[i << 16 : (i + 1) << 16]) for i in range(16)]
+                await peer.aclose()  # before the loop flushed them, or while they go out
+                results = await asyncio.wait_for(asyncio.gather(*held, return_exceptions=True), 10)
+                assert all(r is None or isinstance(r, aiohixl.ClosedError) for r in results), results
+    finally:
+        await target.aclose()
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_regions_published_after_connect_and_withdrawn(pair):
     target, peer, src = pair["target"], pair["peer"], pair["src"]
     with pytest.raises(aiohixl.RegionUnavailable, match="late"):

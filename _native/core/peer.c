@@ -32,11 +32,12 @@ int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uin
     int failed = atomic_load(&p->failed);
     if (failed)
         return failed;
-    if (opcode != HX_OP_PUT && opcode != HX_OP_GET)
+    int op = opcode & ~HX_OP_HOLD;
+    if (op != HX_OP_PUT && op != HX_OP_GET)
         return HX_E_INVAL;
     if (n == 0)
         return HX_E_INVAL;
-    int rc = p->ops->post(p, opcode, op_id, sges, n);
+    int rc = p->ops->post(p, p->ops->flush ? opcode : op, op_id, sges, n);
     hx_stat_post(p, sges, n, rc);
     return rc;
 }
@@ -66,6 +67,12 @@ int hx_peer_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, 
     if (rc >= 0)
         atomic_fetch_add_explicit(&p->agent->stats.notes_sent, 1, memory_order_relaxed);
     return rc;
+}
+
+void hx_peer_flush(hx_peer *p)
+{
+    if (p->ops->flush)
+        p->ops->flush(p);
 }
 
 void hx_peer_close(hx_peer *p)

@@ -59,9 +59,12 @@ void tcp_frame_free(hx_agent *a, frame *f, int status)
 }
 
 /* Sends what can be sent without blocking, at most budget bytes. Caller holds
- * c->lock. Returns 0, or -1 when the connection is broken. */
-int tcp_flush_budget(hx_agent *a, conn *c, uint64_t budget)
+ * c->lock; with unlocked, it is let go around each sendmsg (tcp_flush_io).
+ * Returns 0, or -1 when the connection is broken. */
+static int flush(hx_agent *a, conn *c, uint64_t budget, bool unlocked)
 {
+    if (c->tx_io)
+        return 0; /* the I/O thread is sending: it goes on with what was queued meanwhile */
     while (c->unsent && !c->broken && budget) {
         struct iovec iov[MAX_IOV];
         int n = 0;
@@ -79,11 +82,20 @@ int tcp_flush_budget(hx_agent *a, conn *c, uint64_t budget)
             }
         }
         struct msghdr msg = {.msg_iov = iov, .msg_iovlen = n};
+        if (unlocked) {
+            c->tx_io = true;
+            pthread_mutex_unlock(&c->lock);
+        }
         ssize_t w = sendmsg(c->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        int err = errno;
+        if (unlocked) {
+            pthread_mutex_lock(&c->lock);
+            c->tx_io = false;
+        }
         if (w < 0) {
-            if (errno == EINTR)
+            if (err == EINTR)
                 continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK)
+            if (err == EAGAIN || err == EWOULDBLOCK)
                 break;
             return -1;
         }
@@ -115,7 +127,19 @@ int tcp_flush_budget(hx_agent *a, conn *c, uint64_t budget)
     return 0;
 }
 
-int tcp_flush_locked(hx_agent *a, conn *c) { return tcp_flush_budget(a, c, UINT64_MAX); }
+int tcp_flush_budget(hx_agent *a, conn *c, uint64_t budget) { return flush(a, c, budget, false); }
+
+int tcp_flush_locked(hx_agent *a, conn *c) { return flush(a, c, UINT64_MAX, false); }
+
+int tcp_flush_io(hx_agent *a, conn *c)
+{
+    /* Frames are only freed on this thread (answers, failures), and posting
+     * threads only append while frames are unsent, so what the iovecs point
+     * at stays put with the lock let go. A busy-polling thread reads answers
+     * itself: an answer to a frame sent but not yet counted as sent would
+     * look like one to nothing, so then the lock is held throughout. */
+    return flush(a, c, UINT64_MAX, !c->target && !c->polling);
+}
 
 void tcp_append_locked(conn *c, frame *first, frame *last, uint32_t count)
 {
@@ -222,6 +246,7 @@ static void tcp_destroy(hx_peer *p)
 
 static const hx_peer_ops tcp_ops = {.post = tcp_post,
                                     .note = tcp_note,
+                                    .flush = tcp_flush,
                                     .fail = tcp_fail,
                                     .destroy = tcp_destroy,
                                     .transport = HX_TRANSPORT_TCP};

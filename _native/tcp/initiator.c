@@ -7,6 +7,10 @@
 #include <unistd.h>
 
 #define HX_INLINE_SEND (256u * 1024u) /* bytes a submitting thread may send itself */
+/* A put held for the caller's flush (HX_OP_HOLD): sizes where the cost of a
+ * sendmsg and of an answer per op shows; larger ones gain nothing by it. */
+#define HX_HOLD_MIN (32u * 1024u)
+#define HX_HOLD_MAX HX_INLINE_SEND
 
 hx_peer *hx_tcp_connect_fd(hx_agent *a, int fd, int *status)
 {
@@ -21,12 +25,22 @@ hx_peer *hx_tcp_connect_fd(hx_agent *a, int fd, int *status)
 /* Queues an op's frames and sends what fits on this thread: small ops go
  * out at once, the I/O thread streams the rest, so the caller's event loop
  * never waits on a big send. Frees them when the connection is gone. */
-static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count, uint64_t *done_at)
+static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count, bool hold, uint64_t *done_at)
 {
     int rc = HX_POSTED;
     pthread_mutex_lock(&c->lock);
     if (c->broken) {
         rc = HX_E_CONNLOST;
+    } else if (hold && (!done_at || c->unsent || c->answered != c->queued)) {
+        /* Waits for the caller's flush, so that a burst goes out in few
+         * sendmsg calls, the first op not alone; if the caller's event loop
+         * is blocked meanwhile, the hold timer or an answer that wakes the
+         * I/O thread sends it. Busy polling (done_at), an op with nothing
+         * else on the way goes out now instead, and its answer is polled. */
+        if (!c->unsent)
+            tcp_hold_timer(T(a)->io, true);
+        tcp_append_locked(c, first, last, (uint32_t)count);
+        rc = HX_POSTED_HELD;
     } else {
         tcp_append_locked(c, first, last, (uint32_t)count);
         /* Busy polling: the I/O thread is not woken for the answer (the flush
@@ -113,7 +127,7 @@ int tcp_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint
     f->owned = copy;
     f->data = copy;
     f->datalen = len;
-    int rc = submit(p->agent, c, f, f, 1, NULL);
+    int rc = submit(p->agent, c, f, f, 1, false, NULL);
     if (rc != HX_POSTED) {
         free(copy);
         free(f);
@@ -194,19 +208,37 @@ static int check_frames(tcp_op *op, int opcode, uint64_t op_id, const hx_sge *sg
     return HX_OK;
 }
 
+/* hx_peer_flush: what submit held goes out from this thread, the rest of it
+ * (over HX_INLINE_SEND) from the I/O thread. */
+void tcp_flush(hx_peer *p)
+{
+    conn *c = (conn *)p;
+    tcp_hold_timer(T(p->agent)->io, false);
+    pthread_mutex_lock(&c->lock);
+    if (!c->broken && tcp_flush_budget(p->agent, c, HX_INLINE_SEND) < 0) {
+        atomic_store(&c->fail_req, HX_E_CONNLOST);
+        tcp_io_wake(T(p->agent)->io);
+    }
+    pthread_mutex_unlock(&c->lock);
+}
+
 int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n)
 {
     conn *c = (conn *)p;
     hx_agent *a = p->agent;
+    bool hold = opcode & HX_OP_HOLD;
+    opcode &= ~HX_OP_HOLD;
     tcp_op *op = calloc(1, sizeof *op + n * sizeof(hx_region *));
     if (!op)
         return HX_E_NOMEM;
     op->op_id = op_id;
     frame *first = NULL, *last = NULL;
     int count = 0, rc = HX_OK;
-    uint64_t frames = 0;
-    for (uint32_t i = 0; i < n; i++)
+    uint64_t frames = 0, payload = 0;
+    for (uint32_t i = 0; i < n; i++) {
         frames += (sges[i].len + HX_TCP_CHUNK - 1) / HX_TCP_CHUNK;
+        payload += opcode == HX_OP_PUT ? sges[i].len : 0;
+    }
     if (frames > 1)
         rc = check_frames(op, opcode, op_id, sges, n, &first, &last, &count);
     for (uint32_t i = 0; i < n && rc == HX_OK; i++) {
@@ -252,7 +284,10 @@ int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_
     if (rc == HX_OK) {
         op->remaining = count;
         uint64_t busy_ns = T(a)->busy_ns, done_at = 0;
-        rc = submit(a, c, first, last, count, busy_ns ? &done_at : NULL);
+        hold = hold && payload >= HX_HOLD_MIN && payload <= HX_HOLD_MAX;
+        rc = submit(a, c, first, last, count, hold, busy_ns ? &done_at : NULL);
+        if (rc == HX_POSTED_HELD)
+            return rc;
         if (rc == HX_POSTED)
             return done_at ? poll_answer(a, c, op_id, done_at, busy_ns) : HX_POSTED;
     }

@@ -9,6 +9,7 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/timerfd.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -27,6 +28,34 @@ void tcp_io_wake(tcp_io *io)
     uint64_t one = 1;
     ssize_t n = write(io->evfd, &one, sizeof one);
     (void)n;
+}
+
+void tcp_hold_timer(tcp_io *io, bool arm)
+{
+    /* Arming wakes nobody: the I/O thread only hears of it if it fires. */
+    if (!arm && !atomic_exchange(&io->hold_armed, false))
+        return;
+    if (arm)
+        atomic_store(&io->hold_armed, true);
+    struct itimerspec when = {.it_value.tv_nsec = arm ? HOLD_MAX_NS : 0};
+    timerfd_settime(io->tfd, 0, &when, NULL);
+}
+
+/* The hold timer fired: the event loop that was to flush is busy (blocked);
+ * what it held goes out from here. */
+static void flush_held(hx_agent *a)
+{
+    tcp_agent *t = T(a);
+    pthread_mutex_lock(&t->lock);
+    for (conn *c = t->io->conns; c; c = c->next_all) {
+        if (c->target || c->broken)
+            continue;
+        pthread_mutex_lock(&c->lock);
+        if (c->unsent && tcp_flush_io(a, c) < 0)
+            atomic_store(&c->fail_req, HX_E_CONNLOST);
+        pthread_mutex_unlock(&c->lock);
+    }
+    pthread_mutex_unlock(&t->lock);
 }
 
 /* The bytes of a payload that are now complete: hand them on. */
@@ -63,6 +92,7 @@ static ssize_t receive(conn *c)
     if (!direct || want == c->rlen - c->rdone)
         iov[n++] = (struct iovec){.iov_base = c->rbuf, .iov_len = RBUF_SIZE};
     struct msghdr msg = {.msg_iov = iov, .msg_iovlen = n};
+    uint64_t offered = n == 2 ? want + RBUF_SIZE : iov[0].iov_len;
     for (;;) {
         ssize_t r = recvmsg(c->fd, &msg, MSG_DONTWAIT);
         if (r == 0)
@@ -73,6 +103,7 @@ static ssize_t receive(conn *c)
             return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -2;
         }
         c->last_rx_ns = tcp_now_ns();
+        c->rx_short = (uint64_t)r < offered;
         uint64_t placed = direct ? ((uint64_t)r < want ? (uint64_t)r : want) : 0;
         c->rdone += placed;
         c->rpos = 0;
@@ -105,13 +136,20 @@ static int conn_read(hx_agent *a, conn *c)
         if ((c->target && c->outq >= OUTQ_HIGH) || c->note_held)
             return 0;
         if (c->rpos == c->rend) {
-            /* The answers to what the buffer held go out in one send, before
-             * the next receive: batched, never held back behind new input. */
-            if (c->reading && flush_answers(a, c) < 0)
-                return -2;
+            /* Answers go out together once the socket is drained (a receive
+             * that did not fill what it offered took all there was), so a
+             * burst of requests is answered in one send and the initiator
+             * woken once, not once a receive; and after ANSWER_BATCH bytes,
+             * so none waits long behind new input. */
+            if (c->reading && (c->rx_short || c->rx_since_flush >= ANSWER_BATCH)) {
+                if (flush_answers(a, c) < 0)
+                    return -2;
+                c->rx_since_flush = 0;
+            }
             ssize_t r = receive(c);
             if (r <= 0)
                 return (int)r;
+            c->rx_since_flush += (uint64_t)r;
             continue;
         }
         uint32_t avail = c->rend - c->rpos;
@@ -141,6 +179,7 @@ int tcp_conn_read(hx_agent *a, conn *c)
     c->reading = c->target;
     int rc = conn_read(a, c);
     c->reading = false;
+    c->rx_since_flush = 0;
     if (rc >= 0 && c->target && flush_answers(a, c) < 0)
         rc = -2;
     return rc;
@@ -298,6 +337,15 @@ static void *io_main(void *arg)
                 sweep_needed = true;
                 continue;
             }
+            if (evs[i].data.ptr == &io->tfd) {
+                uint64_t v;
+                ssize_t r = read(io->tfd, &v, sizeof v);
+                (void)r;
+                atomic_store(&io->hold_armed, false);
+                flush_held(a);
+                sweep_needed = true; /* a failed flush asked for a failure */
+                continue;
+            }
             if (c->broken)
                 continue;
             /* A failure asked for (a local close) wins over what the socket says. */
@@ -317,15 +365,21 @@ static void *io_main(void *arg)
                     sweep_needed = true;
                     continue;
                 }
-                if (c->target) {
-                    pthread_mutex_lock(&c->lock);
+                pthread_mutex_lock(&c->lock);
+                if (c->target)
                     tcp_update_interest(a, c);
-                    pthread_mutex_unlock(&c->lock);
+                else if (c->unsent)
+                    rc = tcp_flush_io(a, c); /* puts held for a flush whose event loop is busy */
+                pthread_mutex_unlock(&c->lock);
+                if (rc < 0) {
+                    tcp_conn_fail(a, c, HX_E_CONNLOST);
+                    sweep_needed = true;
+                    continue;
                 }
             }
             if (e & EPOLLOUT) {
                 pthread_mutex_lock(&c->lock);
-                int rc = tcp_flush_locked(a, c);
+                int rc = tcp_flush_io(a, c);
                 pthread_mutex_unlock(&c->lock);
                 if (rc < 0) {
                     tcp_conn_fail(a, c, HX_E_CONNLOST);
@@ -388,11 +442,15 @@ tcp_io *tcp_io_get(hx_agent *a, int *status)
         goto fail;
     io->epfd = epoll_create1(EPOLL_CLOEXEC);
     io->evfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (io->epfd < 0 || io->evfd < 0)
+    io->tfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+    if (io->epfd < 0 || io->evfd < 0 || io->tfd < 0)
         goto fail;
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
-    if (epoll_ctl(io->epfd, EPOLL_CTL_ADD, io->evfd, &ev) < 0)
+    struct epoll_event tev = {.events = EPOLLIN, .data.ptr = &io->tfd};
+    if (epoll_ctl(io->epfd, EPOLL_CTL_ADD, io->evfd, &ev) < 0 ||
+        epoll_ctl(io->epfd, EPOLL_CTL_ADD, io->tfd, &tev) < 0)
         goto fail;
+    atomic_init(&io->hold_armed, false);
     atomic_init(&io->stop, false);
     atomic_init(&io->targets, 0);
     t->io = io;
@@ -409,6 +467,8 @@ fail:
             close(io->epfd);
         if (io->evfd >= 0)
             close(io->evfd);
+        if (io->tfd >= 0)
+            close(io->tfd);
         free(io);
     }
     pthread_mutex_unlock(&t->lock);
@@ -450,6 +510,7 @@ static void io_free(hx_agent *a)
     }
     close(io->epfd);
     close(io->evfd);
+    close(io->tfd);
     free(io);
     T(a)->io = NULL;
 }

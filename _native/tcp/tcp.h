@@ -23,15 +23,26 @@
  * unless it is itself holding the other side back. All of it on the native
  * thread: a blocked event loop stops none of it.
  *
+ * Sending: a small op goes out from the posting thread at once. A put of
+ * HX_HOLD_MIN..HX_HOLD_MAX posted with HX_OP_HOLD (the asyncio fast path,
+ * while ops come in bursts) is only queued; the caller's hx_peer_flush, once
+ * the event loop's current callbacks have run, sends the burst together, in
+ * as few sendmsg calls as the socket takes. Should that loop be blocked, the
+ * I/O thread sends them after HOLD_MAX_NS (the hold timer) or once an answer
+ * wakes it. What is left over is the I/O thread's, which sends without the
+ * connection's lock, so posting never waits on its sendmsg.
+ *
  * Reading: every connection reads through a small read-ahead buffer (rbuf);
  * the rest of a large payload is received in place, the bytes after it into
- * the buffer, in one recvmsg. A target sends the answers to one receive
- * together. Latency mode (busy_ns, Agent(busy_poll_us=...)): the I/O thread
- * polls busy_ns after activity before it blocks, and a thread that posted an
- * op and sent all of it reads the connection itself (rx_lock; the I/O thread
- * stops watching it for input meanwhile) until the op is answered or busy_ns
- * pass; a success it reads ends the op inline (tcp_inline_op). Off, nothing
- * polls: the I/O thread blocks whenever it has nothing to do.
+ * the buffer, in one recvmsg. A target sends its answers together once the
+ * socket is drained or ANSWER_BATCH bytes came in.
+ *
+ * Latency mode (busy_ns, Agent(busy_poll_us=...)): the I/O thread polls
+ * busy_ns after activity before it blocks, and a thread that posted an op and
+ * sent all of it reads the connection itself (rx_lock; the I/O thread stops
+ * watching it for input meanwhile) until the op is answered or busy_ns pass;
+ * a success it reads ends the op inline (tcp_inline_op). Off, nothing polls:
+ * the I/O thread blocks whenever it has nothing to do.
  *
  * Files: wire.c (frame headers), conn.c (connections: send queue, failure,
  * lifetime), initiator.c, target.c, io.c (the I/O thread and the transport's
@@ -44,9 +55,11 @@
 #define REQ_SIZE 48
 #define RESP_SIZE 32
 #define HX_TCP_CHUNK (1u << 20)
-#define RBUF_SIZE (16u * 1024u) /* each connection's read-ahead buffer */
-#define RDIRECT (16u * 1024u)   /* the rest of a payload at least this big is received in place */
-#define OUTQ_HIGH 512           /* target stops reading requests above this many queued responses */
+#define RBUF_SIZE (16u * 1024u)     /* each connection's read-ahead buffer */
+#define RDIRECT (16u * 1024u)       /* the rest of a payload at least this big is received in place */
+#define OUTQ_HIGH 512               /* target stops reading requests above this many queued responses */
+#define HOLD_MAX_NS 1000000         /* a held put waits at most this long for its flush */
+#define ANSWER_BATCH (256u * 1024u) /* target: received bytes after which queued answers go out */
 
 enum { W_PUT = 1, W_GET = 2, W_CHECK = 3, W_NOTE = 4, W_PING = 5 };
 /* W_CHECK: sent before the frames of an op of more than one frame. Its
@@ -106,6 +119,7 @@ typedef struct conn {
     /* initiator: frames queued, and answered (in order), under lock */
     uint64_t queued, answered;
     bool polling; /* a submitting thread busy-polls: the I/O thread stops watching for input */
+    bool tx_io;   /* the I/O thread is in a sendmsg without the lock (tcp_flush_io) */
     uint32_t events;
     bool broken;
     atomic_int fail_req; /* a failure another thread asked for */
@@ -133,7 +147,9 @@ typedef struct conn {
     /* target: the notification being received, or held while the agent's
      * queue is full (reading stops meanwhile); the last refused op */
     bool rnote, note_held;
-    bool reading; /* target: answers queued while reading go out together (tcp_conn_read) */
+    bool reading;            /* target: answers queued while reading go out together (tcp_conn_read) */
+    uint64_t rx_since_flush; /* target: bytes received since queued answers last went out */
+    bool rx_short;           /* the last receive took less than it offered: the socket was drained */
     uint32_t note_len;
     uint64_t note_id, note_dep;
     uint64_t refused_op;
@@ -147,6 +163,8 @@ typedef struct tcp_io {
     atomic_int targets; /* target conns: their answers must drain, so the stall check runs */
     int epfd;
     int evfd;
+    int tfd;                /* the hold timer (tcp_hold_timer) */
+    atomic_bool hold_armed; /* it is set: a flush disarms it */
     pthread_t thread;
     atomic_bool stop;
     conn *conns; /* guarded by tcp_agent.lock */
@@ -213,10 +231,14 @@ extern __thread bool tcp_inline_done;
  * or -1 when the connection is broken. */
 int tcp_flush_budget(hx_agent *a, conn *c, uint64_t budget);
 int tcp_flush_locked(hx_agent *a, conn *c);
+/* The I/O thread's flush: the lock is let go while each sendmsg runs, so a
+ * posting thread queues more meanwhile instead of waiting. */
+int tcp_flush_io(hx_agent *a, conn *c);
 void tcp_update_interest(hx_agent *a, conn *c);
 
 /* initiator.c */
 int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n);
+void tcp_flush(hx_peer *p);
 int tcp_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len);
 /* Queues a heartbeat frame (either side). Caller holds c->lock. */
 void tcp_beacon_locked(hx_agent *a, conn *c);
@@ -238,6 +260,9 @@ int tcp_conn_read(hx_agent *a, conn *c);
 /* The I/O thread, started on first use; NULL with *status when it cannot be. */
 tcp_io *tcp_io_get(hx_agent *a, int *status);
 void tcp_io_wake(tcp_io *io);
+/* Arms (or disarms) the backstop of held puts: unless the caller flushed
+ * them within HOLD_MAX_NS, the I/O thread sends them. */
+void tcp_hold_timer(tcp_io *io, bool arm);
 uint64_t tcp_now_ns(void);
 
 #endif
