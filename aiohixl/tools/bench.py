@@ -714,6 +714,14 @@ def render(r: Results) -> str:
                 f"  asyncio.gather itself over {t['gather_floor_n']} finished futures: {floor:.1f} us, so N/1 over N"
                 f" (ops ending inline) can reach at most {', '.join(reach)}"
             )
+        blocking = (b.get("tcp_stream") or {}).get("blocking")
+        if t.get("path") == "tcp" and blocking:
+            # The limit above is the faster (polling) stream; iperf3's way is the blocking one.
+            vs = ", ".join(
+                f"{size} {v['inflight']} x {v['inflight_gbps'] / blocking['best']:.2f}x"
+                for size, v in t["bandwidth"].items()
+            )
+            lines.append(f"  N in flight against the blocking stream ({blocking['best']:.2f} GB/s, iperf3's way): {vs}")
         s = t["small_ops"]
         lines.append(f"  4 KiB puts/s: gather {s['gather_ops_per_s']:,.0f}   put_many {s['put_many_ops_per_s']:,.0f}")
         for size, v in t.get("notify", {}).items():
