@@ -758,7 +758,9 @@ def render(r: Results) -> str:
                 if v.get("in_turn_gbps") and v.get("one_span_gbps")
             ]
             if turn:
-                lines.append(f"  the same N posted together, then each awaited in turn (no gather): {', '.join(turn)}")
+                lines.append(
+                    f"  N/1 over N with the N posted together, then each awaited in turn (no gather): {', '.join(turn)}"
+                )
         blocking = (b.get("tcp_stream") or {}).get("blocking")
         if t.get("path") == "tcp" and blocking:
             # The limit above is the faster (polling) stream; iperf3's way is the blocking one.
