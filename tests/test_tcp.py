@@ -102,6 +102,30 @@ async def test_medium_puts_held_for_the_burst_land_in_order(pair):
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_bursts_announced_frame_by_frame_are_all_answered(pair):
+    """A frame sent with others queued behind it says so (REQ_MORE) and the target keeps its
+    answers for theirs: a burst larger than it keeps answers for (1 MiB), an op of many
+    frames, gets answered with data, and a lone put after them all end and land."""
+    peer, kv, rsrc, src, src_arr, target = (pair[k] for k in ("peer", "kv", "rsrc", "src", "src_arr", "target"))
+    size, count = 256 << 10, 16  # 4 MiB of held puts, flushed together
+    await asyncio.gather(
+        *(peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count))
+    )
+    assert await target.hash("kv", 0, size * count) == sha(src_arr[: size * count])
+    piece = 4096
+    pairs = [(kv[i * 2 * piece : i * 2 * piece + piece], src[i * piece : (i + 1) * piece]) for i in range(300)]
+    await peer.put_many(pairs)
+    for i in (0, 150, 299):
+        assert await target.hash("kv", i * 2 * piece, piece) == sha(src_arr[i * piece : (i + 1) * piece])
+    got = np.zeros(8 * piece, dtype=np.uint8)
+    dst = pair["agent"].register(got)
+    await peer.get_many([(dst[i * piece : (i + 1) * piece], rsrc[i * piece : (i + 1) * piece]) for i in range(8)])
+    assert np.array_equal(got, pair["tsrc"][: 8 * piece])
+    await peer.put(kv[:4096], src[:4096])
+    assert await target.hash("kv", 0, 4096) == sha(src_arr[:4096])
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_held_puts_go_out_while_the_event_loop_is_blocked(pair):
     """The flush of held puts is a loop callback; a loop blocked right after posting (a
     synchronous forward pass) does not keep them back: the I/O thread sends them."""

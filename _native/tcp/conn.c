@@ -19,7 +19,7 @@ void tcp_update_interest(hx_agent *a, conn *c)
     uint32_t want = EPOLLRDHUP;
     if ((!c->target || c->outq < OUTQ_HIGH) && !c->note_held && !c->polling)
         want |= EPOLLIN;
-    if (c->unsent)
+    if (c->unsent && !c->tx_held)
         want |= EPOLLOUT;
     if (want != c->events) {
         struct epoll_event ev = {.events = want, .data.ptr = c};
@@ -70,6 +70,8 @@ static int flush(hx_agent *a, conn *c, uint64_t budget, bool unlocked)
         int n = 0;
         for (frame *f = c->unsent; f && n + 2 <= MAX_IOV; f = f->next) {
             uint64_t s = f->sent;
+            if (!c->target && s <= REQ_FLAGS)
+                f->hdr[REQ_FLAGS] = f->next ? REQ_MORE : 0; /* the byte is not out yet */
             if (s < f->hdrlen) {
                 iov[n].iov_base = f->hdr + s;
                 iov[n++].iov_len = f->hdrlen - s;

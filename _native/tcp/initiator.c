@@ -209,16 +209,42 @@ static int check_frames(tcp_op *op, int opcode, uint64_t op_id, const hx_sge *sg
 }
 
 /* hx_peer_flush: what submit held goes out from this thread, the rest of it
- * (over HX_INLINE_SEND) from the I/O thread. */
+ * (over HX_INLINE_SEND) from the I/O thread. When all of it went out here,
+ * the answers are read here for up to FLUSH_POLL_NS (they go to the ring):
+ * on loopback they mostly arrive within that, and two wake-ups (the I/O
+ * thread's, then the event loop's) are saved. Not in the latency mode,
+ * where the I/O thread polls already. */
 void tcp_flush(hx_peer *p)
 {
     conn *c = (conn *)p;
-    tcp_hold_timer(T(p->agent)->io, false);
+    hx_agent *a = p->agent;
+    tcp_hold_timer(T(a)->io, false);
     pthread_mutex_lock(&c->lock);
-    if (!c->broken && tcp_flush_budget(p->agent, c, HX_INLINE_SEND) < 0) {
+    uint64_t done_at = 0;
+    bool held = c->unsent != NULL;
+    if (held && c->poll_skip)
+        c->poll_skip--; /* the last poll missed: answers take longer than that here */
+    else
+        c->polling = held && !T(a)->busy_ns; /* the flush below stops the I/O thread's reading meanwhile */
+    if (!c->broken && tcp_flush_budget(a, c, HX_INLINE_SEND) < 0) {
         atomic_store(&c->fail_req, HX_E_CONNLOST);
-        tcp_io_wake(T(p->agent)->io);
+        tcp_io_wake(T(a)->io);
+    } else if (c->polling && !c->unsent && !c->broken) {
+        done_at = c->queued;
     }
+    if (c->polling && !done_at) {
+        c->polling = false;
+        tcp_update_interest(a, c);
+    }
+    pthread_mutex_unlock(&c->lock);
+    if (!done_at)
+        return;
+    poll_answer(a, c, 0, done_at, FLUSH_POLL_NS);
+    /* A peer whose answers take longer (another host) is not polled for
+     * again until POLL_SKIP bursts later: the wait would only cost the loop. */
+    pthread_mutex_lock(&c->lock);
+    if (c->answered < done_at)
+        c->poll_skip = POLL_SKIP;
     pthread_mutex_unlock(&c->lock);
 }
 

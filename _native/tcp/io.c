@@ -120,6 +120,7 @@ static int flush_answers(hx_agent *a, conn *c)
     return rc;
 }
 
+/* Returns 1 when reading stopped for back-pressure, else as tcp_conn_read. */
 static int conn_read(hx_agent *a, conn *c)
 {
     uint32_t size = c->target ? REQ_SIZE : RESP_SIZE;
@@ -134,14 +135,16 @@ static int conn_read(hx_agent *a, conn *c)
          * What the buffer holds meanwhile is taken when reading resumes
          * (tcp_read_held). */
         if ((c->target && c->outq >= OUTQ_HIGH) || c->note_held)
-            return 0;
+            return 1;
         if (c->rpos == c->rend) {
             /* Answers go out together once the socket is drained (a receive
              * that did not fill what it offered took all there was), so a
              * burst of requests is answered in one send and the initiator
              * woken once, not once a receive; and after ANSWER_BATCH bytes,
-             * so none waits long behind new input. */
-            if (c->reading && (c->rx_short || c->rx_since_flush >= ANSWER_BATCH)) {
+             * so none waits long behind new input. While more frames are
+             * announced (REQ_MORE), only after MORE_BATCH bytes. */
+            if (c->reading && (c->rmore ? c->rx_since_flush >= MORE_BATCH
+                                        : c->rx_short || c->rx_since_flush >= ANSWER_BATCH)) {
                 if (flush_answers(a, c) < 0)
                     return -2;
                 c->rx_since_flush = 0;
@@ -179,10 +182,15 @@ int tcp_conn_read(hx_agent *a, conn *c)
     c->reading = c->target;
     int rc = conn_read(a, c);
     c->reading = false;
+    /* Drained while more frames are announced: the answers wait for them
+     * (reading stopped for back-pressure sends them now). */
+    c->tx_held = rc == 0 && c->target && c->rmore && c->rx_since_flush < MORE_BATCH;
+    if (c->tx_held)
+        return 0;
     c->rx_since_flush = 0;
     if (rc >= 0 && c->target && flush_answers(a, c) < 0)
         rc = -2;
-    return rc;
+    return rc < 0 ? rc : 0;
 }
 
 /* Applies failures asked for by other threads and frees what is finished. */

@@ -120,6 +120,7 @@ int tcp_target_request(hx_agent *a, conn *c)
     tcp_req q;
     if (tcp_get_req(c->rhdr, &q) < 0)
         return -1;
+    c->rmore = c->rhdr[REQ_FLAGS] & REQ_MORE;
     if (q.op == W_PING)
         return enqueue_response(a, c, R_PONG, HX_OK, q.op_id, NULL, 0, NULL);
     if (q.op == W_NOTE) {

@@ -35,7 +35,18 @@
  * Reading: every connection reads through a small read-ahead buffer (rbuf);
  * the rest of a large payload is received in place, the bytes after it into
  * the buffer, in one recvmsg. A target sends its answers together once the
- * socket is drained or ANSWER_BATCH bytes came in.
+ * socket is drained or ANSWER_BATCH bytes came in; while the last request
+ * said more frames follow it (REQ_MORE, set by the initiator on every frame
+ * that had another queued behind it when it went out), only once MORE_BATCH
+ * bytes came in or a frame without it arrived: a burst is answered once, at
+ * its end, not each time the target catches up with the sender.
+ *
+ * A burst flush (hx_peer_flush) that sent everything reads the connection
+ * itself for up to FLUSH_POLL_NS, as the latency mode's poster does: on
+ * loopback the target has mostly taken the burst by the time its sendmsg
+ * returns, so the answers are there within microseconds, and the I/O
+ * thread's wake-up and then the event loop's (each ~15-40 us on a VM) are
+ * not paid. Python drains the completions right after the flush.
  *
  * Latency mode (busy_ns, Agent(busy_poll_us=...)): the I/O thread polls
  * busy_ns after activity before it blocks, and a thread that posted an op and
@@ -60,6 +71,9 @@
 #define OUTQ_HIGH 512               /* target stops reading requests above this many queued responses */
 #define HOLD_MAX_NS 1000000         /* a held put waits at most this long for its flush */
 #define ANSWER_BATCH (256u * 1024u) /* target: received bytes after which queued answers go out */
+#define MORE_BATCH (1024u * 1024u)  /* the same while the initiator says more frames follow (REQ_MORE) */
+#define FLUSH_POLL_NS 30000         /* hx_peer_flush: how long it reads for the burst's answers */
+#define POLL_SKIP 15                /* bursts not polled for after a poll that missed its answers */
 
 enum { W_PUT = 1, W_GET = 2, W_CHECK = 3, W_NOTE = 4, W_PING = 5 };
 /* W_CHECK: sent before the frames of an op of more than one frame. Its
@@ -70,6 +84,12 @@ enum { W_PUT = 1, W_GET = 2, W_CHECK = 3, W_NOTE = 4, W_PING = 5 };
  * status, so a refused op leaves the target's memory untouched. */
 #define CHECK_ENTRY 32
 enum { R_ACK = 1, R_DATA = 2, R_PONG = 3, R_ALIVE = 4 };
+/* A request's flags byte. REQ_MORE: the initiator sends more frames right
+ * behind this one (they were queued when it went out), so the target keeps
+ * its answers for them (up to MORE_BATCH bytes) instead of answering each
+ * time its socket runs dry in the middle of a burst. */
+#define REQ_FLAGS 5
+#define REQ_MORE 1u
 /* Initiator frames that are no put or get (frame.opcode). */
 enum { OP_NOTE = 3, OP_PING = 4 };
 
@@ -118,8 +138,9 @@ typedef struct conn {
     uint32_t outq;
     /* initiator: frames queued, and answered (in order), under lock */
     uint64_t queued, answered;
-    bool polling; /* a submitting thread busy-polls: the I/O thread stops watching for input */
-    bool tx_io;   /* the I/O thread is in a sendmsg without the lock (tcp_flush_io) */
+    bool polling;      /* a submitting thread busy-polls: the I/O thread stops watching for input */
+    uint8_t poll_skip; /* bursts before hx_peer_flush polls for answers again (under lock) */
+    bool tx_io;        /* the I/O thread is in a sendmsg without the lock (tcp_flush_io) */
     uint32_t events;
     bool broken;
     atomic_int fail_req; /* a failure another thread asked for */
@@ -150,6 +171,8 @@ typedef struct conn {
     bool reading;            /* target: answers queued while reading go out together (tcp_conn_read) */
     uint64_t rx_since_flush; /* target: bytes received since queued answers last went out */
     bool rx_short;           /* the last receive took less than it offered: the socket was drained */
+    bool rmore;              /* target: the last request said more frames follow it (REQ_MORE) */
+    bool tx_held;            /* target: queued answers wait for those frames (no EPOLLOUT meanwhile) */
     uint32_t note_len;
     uint64_t note_id, note_dep;
     uint64_t refused_op;

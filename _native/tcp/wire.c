@@ -1,6 +1,7 @@
 /* The tcp data frames' headers (docs/protocol.md, "Data frames").
  *
- * request, REQ_SIZE bytes:   0 magic u32, 4 op u8 (W_*), 8 region u32,
+ * request, REQ_SIZE bytes:   0 magic u32, 4 op u8 (W_*), 5 flags u8
+ *                            (REQ_MORE; set by the sender's flush), 8 region u32,
  *                            16 offset u64, 24 length u64, 32 op id u64,
  *                            40 region key u64
  *                            (W_CHECK: region is the op checked, offset 0,
