@@ -44,15 +44,10 @@ class OpOwner(Protocol):
         """Told before the op's waiter gets ``exc`` (a peer learns its path broke)."""
 
 
-class _Op:
-    __slots__ = ("waiter", "keep", "what", "owner", "tag")
-
-    def __init__(self, waiter: Any, keep: tuple[Region, ...], what: str, owner: OpOwner | None, tag: int):
-        self.waiter = waiter
-        self.keep = keep  # local regions (and their buffers) the native side touches
-        self.what = what
-        self.owner = owner
-        self.tag = tag
+# An op in flight, as a tuple (the cheapest record Python makes, once per op):
+# its waiter; the local regions (and their buffers) the native side touches;
+# what to name in an error; who posted it (OpOwner or None) and the tag it gave.
+_Op = tuple  # (waiter, keep, what, owner, tag)
 
 
 class Engine:
@@ -151,16 +146,23 @@ class Engine:
         rr, region = rs.region, ls.region
         op_id = self.last_op_id = self._next_id
         self._next_id = op_id + 1
-        hold = self._hold if self._burst or self._ops else 0
+        ops = self._ops
+        hold = self._hold if self._burst or ops else 0
         rc = _post1(handle, opcode | hold, op_id, region.id, ls.offset, rr.id, rs.offset, rs.nbytes, rr.key)
         if rc == 1:  # HX_DONE_INLINE
             self.completed += 1
             return None
+        if rc < 0:
+            raise status_error(rc, what)
         if rc == 2:  # HX_POSTED_HELD
             if not self._held:
                 self.loop.call_soon(self._flush_held)
             self._held.append((handle, op_id))
-        return self._track(op_id, rc, (region,), what, owner)
+        # _track, written out: this runs once per op of every burst
+        waiter = self.backend.new_waiter()  # type: ignore[union-attr]  # attached: loop is set
+        region.op_started()
+        ops[op_id] = (waiter, (region,), what, owner, owner.op_started())
+        return waiter
 
     def _flush_held(self) -> None:
         held, self._held = self._held, []
@@ -205,15 +207,15 @@ class Engine:
         for region in keep:
             region.op_started()
         tag = owner.op_started() if owner is not None else 0
-        self._ops[op_id] = _Op(waiter, keep, what, owner, tag)
+        self._ops[op_id] = (waiter, keep, what, owner, tag)
         return waiter
 
     def _ended(self, op: _Op) -> None:
         resolve = self.backend.resolve if self.backend is not None else _no_backend
-        for region in op.keep:
+        for region in op[1]:
             region.op_ended(resolve)
-        if op.owner is not None:
-            op.owner.op_ended(op.tag)
+        if op[3] is not None:
+            op[3].op_ended(op[4])
 
     async def wait(self, waiter: Any, timeout: float | None, what: str) -> None:
         backend = self.attach()
@@ -249,30 +251,37 @@ class Engine:
         batch = self._batch
         backend = self.backend
         assert backend is not None  # drain is what the backend calls
+        resolve = backend.resolve
+        pop = self._ops.pop
         while True:
             n = lib.hx_agent_drain(self.native, batch, _DRAIN_BATCH)
             for i in range(n):
                 c = batch[i]
-                op = self._ops.pop(c.op_id, None)
+                op = pop(c.op_id, None)
                 if op is None:
                     self.unknown_completions += 1
                     continue
                 self.completed += 1
-                self._ended(op)
+                # _ended, written out: this runs once per completion
+                waiter, keep, what, owner, tag = op
+                for region in keep:
+                    region.op_ended(resolve)
+                if owner is not None:
+                    owner.op_ended(tag)
                 status = c.status
                 if status == 0:
-                    backend.resolve(op.waiter, None)
+                    resolve(waiter, None)
                     continue
-                exc = status_error(status, op.what)
-                if op.owner is not None:
-                    op.owner.op_failed(exc)
-                backend.resolve(op.waiter, exc)
+                exc = status_error(status, what)
+                if owner is not None:
+                    owner.op_failed(exc)
+                resolve(waiter, exc)
             if n < _DRAIN_BATCH:
                 break
         if self._slot_waiters and len(self._ops) < self.capacity:
             waiters, self._slot_waiters = self._slot_waiters, []
             for w in waiters:
-                backend.resolve(w, None)
+                resolve(w, None)
         if self.on_wake is not None:
             self.on_wake()
 
@@ -287,7 +296,7 @@ class Engine:
             # Native shutdown completed everything; this is a last guard.
             self._ops.pop(op_id)
             self._ended(op)
-            backend.resolve(op.waiter, ClosedError(f"{op.what}: agent closed"))
+            backend.resolve(op[0], ClosedError(f"{op[2]}: agent closed"))
         for w in self._slot_waiters:
             backend.resolve(w, ClosedError("agent closed while waiting to post"))
         self._slot_waiters = []

@@ -100,8 +100,8 @@ class Peer:
         self._resolving: dict[tuple[int, int], anyio.Event] = {}
         # one link that reaches every region as it is: no routing per op
         self._one_route = links[0] if len(links) == 1 and links[0].reaches_all else None
-        self._ops = 0  # ops posted and not yet completed (counted by the engine)
-        # Fences: ops are counted per epoch; a fence waits for every epoch up to its own.
+        # Ops posted and not yet completed (counted by the engine), per epoch: a fence
+        # waits for every epoch up to its own.
         self._epoch = 0
         self._epoch_ops: dict[int, int] = {}
         self._fences: list[tuple[int, Any]] = []
@@ -568,21 +568,21 @@ class Peer:
     # ---- accounting and lifetime ----
 
     def op_started(self) -> int:
-        self._ops += 1
         epoch = self._epoch
-        self._epoch_ops[epoch] = self._epoch_ops.get(epoch, 0) + 1
+        counts = self._epoch_ops
+        counts[epoch] = counts.get(epoch, 0) + 1
         return epoch
 
     def op_ended(self, epoch: int) -> None:
-        self._ops -= 1
-        left = self._epoch_ops[epoch] - 1
+        counts = self._epoch_ops
+        left = counts[epoch] - 1
         if left:
-            self._epoch_ops[epoch] = left
-        else:
-            del self._epoch_ops[epoch]
-            if self._fences:
-                self._release_fences()
-        if self._ops == 0 and self._free_pending:
+            counts[epoch] = left
+            return
+        del counts[epoch]
+        if self._fences:
+            self._release_fences()
+        if not counts and self._free_pending:
             self.free()
 
     def op_failed(self, exc: BaseException) -> None:
@@ -617,7 +617,7 @@ class Peer:
         await self.release_links()
         # Native handles go once the last op is back: a native thread may
         # still be finishing (or flushing) one.
-        if self._ops == 0:
+        if not self._epoch_ops:
             self.free()
         else:
             self._free_pending = True
