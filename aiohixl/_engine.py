@@ -10,6 +10,7 @@ memory in flight alive.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, Protocol
 
@@ -31,23 +32,18 @@ _DRAIN_BATCH = 4096
 
 
 class OpOwner(Protocol):
-    """Who posted an op (a peer): its native handles live until its last op ends.
-
-    ``op_started`` returns a tag that ``op_ended`` gets back (the peer's fence epoch).
-    """
-
-    def op_started(self) -> int: ...
-
-    def op_ended(self, tag: int) -> None: ...
+    """Who posted an op (a peer). Whether it still has ops in flight is asked of the
+    engine (``has_ops_of``), not counted per op: the hot path keeps no books."""
 
     def op_failed(self, exc: BaseException) -> None:
         """Told before the op's waiter gets ``exc`` (a peer learns its path broke)."""
 
 
-# An op in flight, as a tuple (the cheapest record Python makes, once per op):
-# its waiter; the local regions (and their buffers) the native side touches;
-# what to name in an error; who posted it (OpOwner or None) and the tag it gave.
-_Op = tuple  # (waiter, keep, what, owner, tag)
+# An op in flight, as a tuple (the cheapest record Python makes, once per op): its waiter;
+# the local regions (and their buffers) the native side touches, kept alive until it ends;
+# what to name in an error; who posted it (OpOwner or None). ``Engine._ops`` holds them in
+# the order they were posted (op ids increase), which is what lets a fence stop early.
+_Op = tuple  # (waiter, keep, what, owner)
 
 
 class Engine:
@@ -79,10 +75,48 @@ class Engine:
         self.last_op_id = 0  # the id of the op posted last (what a notification may follow)
         self.on_wake: Any = None  # called after each drain: notifications may have arrived
         self._held: list[tuple[Any, int]] = []  # (handle, op id) of ops held until _flush_held
+        # (busy, then): run ``then`` once ``busy()`` is false, asked again after every drain
+        self._waits: list[tuple[Callable[[], bool], Callable[[], None]]] = []
 
     @property
     def outstanding(self) -> int:
         return len(self._ops)
+
+    @property
+    def last_posted(self) -> int:
+        """The id of the op posted last: every op posted so far has an id up to this."""
+        return self._next_id - 1
+
+    def has_ops_of(self, owner: object, up_to: int | None = None) -> bool:
+        """Whether ``owner`` has an op in flight (with an id up to ``up_to``)."""
+        for op_id, op in self._ops.items():
+            if up_to is not None and op_id > up_to:
+                return False  # later ops only from here: ids increase in posting order
+            if op[3] is owner:
+                return True
+        return False
+
+    def touches(self, region: Region) -> bool:
+        """Whether an op in flight reads or writes ``region``'s memory."""
+        return any(r is region for op in self._ops.values() for r in op[1])
+
+    def when_done(self, busy: Callable[[], bool], then: Callable[[], None]) -> None:
+        """Run ``then`` once ``busy()`` is false: now, or after the drain that makes it so.
+
+        For the rare waits (a fence, a region's close, a peer's free), which scan the ops
+        in flight, so that posting and completing an op count nothing."""
+        if busy():
+            self._waits.append((busy, then))
+        else:
+            then()
+
+    def _recheck(self) -> None:
+        waits, self._waits = self._waits, []
+        for busy, then in waits:
+            if busy():
+                self._waits.append((busy, then))
+            else:
+                then()
 
     @property
     def full(self) -> bool:
@@ -166,8 +200,7 @@ class Engine:
             self._held.append((handle, op_id))
         # _track, written out: this runs once per op of every burst
         waiter = self.backend.new_waiter()  # type: ignore[union-attr]  # attached: loop is set
-        region.op_started()
-        ops[op_id] = (waiter, (region,), what, owner, owner.op_started())
+        ops[op_id] = (waiter, (region,), what, owner)
         return waiter
 
     def _flush_held(self) -> None:
@@ -210,18 +243,8 @@ class Engine:
         backend = self.backend
         assert backend is not None
         waiter = backend.new_waiter()
-        for region in keep:
-            region.op_started()
-        tag = owner.op_started() if owner is not None else 0
-        self._ops[op_id] = (waiter, keep, what, owner, tag)
+        self._ops[op_id] = (waiter, keep, what, owner)
         return waiter
-
-    def _ended(self, op: _Op) -> None:
-        resolve = self.backend.resolve if self.backend is not None else _no_backend
-        for region in op[1]:
-            region.op_ended(resolve)
-        if op[3] is not None:
-            op[3].op_ended(op[4])
 
     async def wait(self, waiter: Any, timeout: float | None, what: str) -> None:
         backend = self.attach()
@@ -268,26 +291,22 @@ class Engine:
                     self.unknown_completions += 1
                     continue
                 self.completed += 1
-                # _ended, written out: this runs once per completion
-                waiter, keep, what, owner, tag = op
-                for region in keep:
-                    region.op_ended(resolve)
-                if owner is not None:
-                    owner.op_ended(tag)
                 status = statuses[4 * i + 2]
                 if status == 0:
-                    resolve(waiter, None)
+                    resolve(op[0], None)
                     continue
-                exc = status_error(status, what)
-                if owner is not None:
-                    owner.op_failed(exc)
-                resolve(waiter, exc)
+                exc = status_error(status, op[2])
+                if op[3] is not None:
+                    op[3].op_failed(exc)
+                resolve(op[0], exc)
             if n < _DRAIN_BATCH:
                 break
         if self._slot_waiters and len(self._ops) < self.capacity:
             waiters, self._slot_waiters = self._slot_waiters, []
             for w in waiters:
                 resolve(w, None)
+        if self._waits:
+            self._recheck()
         if self.on_wake is not None:
             self.on_wake()
 
@@ -301,8 +320,8 @@ class Engine:
         for op_id, op in list(self._ops.items()):
             # Native shutdown completed everything; this is a last guard.
             self._ops.pop(op_id)
-            self._ended(op)
             backend.resolve(op[0], ClosedError(f"{op[2]}: agent closed"))
+        self._recheck()
         for w in self._slot_waiters:
             backend.resolve(w, ClosedError("agent closed while waiting to post"))
         self._slot_waiters = []
@@ -323,7 +342,3 @@ class Engine:
         if getattr(self, "native", None) is not None:
             lib.hx_agent_free(self.native)
             self.native = None
-
-
-def _no_backend(waiter: Any, exc: BaseException | None) -> None:
-    """Nothing can wait without a backend, so nothing needs waking."""

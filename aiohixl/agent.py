@@ -311,12 +311,9 @@ class Agent:
             peer.free()
         self._peers.clear()
         self.engine.free()
-        resolve = self.engine.backend.resolve if self.engine.backend is not None else None
         for region in self._regions.values():
             region.closed = True
             region.pinned.release()
-            if resolve is not None:
-                region.wake_idle_waiters(resolve)
         self._regions.clear()
         self._named.clear()
 
@@ -505,9 +502,10 @@ class Agent:
         backend = self.engine.attach("Region.close")
         if self._listener is not None:
             await self._listener.withdraw(region.id)
-        while region.ops_in_flight:
+        engine = self.engine
+        if engine.touches(region):
             waiter = backend.new_waiter()
-            region.add_idle_waiter(waiter)
+            engine.when_done(lambda: engine.touches(region), lambda: backend.resolve(waiter, None))
             await backend.wait(waiter)
         if self._closed:
             return

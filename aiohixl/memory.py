@@ -92,9 +92,6 @@ class Region(Span):
         self.access = access
         self.pinned = pinned
         self.closed = False
-        # Ops of this agent in flight that touch the region, and who waits for none.
-        self.ops_in_flight = 0
-        self._idle_waiters: list[Any] = []
 
     @property
     def address(self) -> int:
@@ -132,24 +129,6 @@ class Region(Span):
         if self.closed:
             return
         await self.agent.close_region(self)
-
-    # ---- accounting of local ops (the engine calls these) ----
-
-    def op_started(self) -> None:
-        self.ops_in_flight += 1
-
-    def op_ended(self, resolve: Any) -> None:
-        self.ops_in_flight -= 1
-        if self.ops_in_flight == 0 and self._idle_waiters:
-            self.wake_idle_waiters(resolve)
-
-    def add_idle_waiter(self, waiter: Any) -> None:
-        self._idle_waiters.append(waiter)
-
-    def wake_idle_waiters(self, resolve: Any) -> None:
-        waiters, self._idle_waiters = self._idle_waiters, []
-        for waiter in waiters:
-            resolve(waiter, None)
 
     def check_open(self, what: str) -> None:
         if self.closed:

@@ -100,12 +100,6 @@ class Peer:
         self._resolving: dict[tuple[int, int], anyio.Event] = {}
         # one link that reaches every region as it is: no routing per op
         self._one_route = links[0] if len(links) == 1 and links[0].reaches_all else None
-        # Ops posted and not yet completed (counted by the engine), per epoch: a fence
-        # waits for every epoch up to its own.
-        self._epoch = 0
-        self._epoch_ops: dict[int, int] = {}
-        self._fences: list[tuple[int, Any]] = []
-        self._free_pending = False
         self._freed = False
 
     @property
@@ -474,13 +468,13 @@ class Peer:
 
     async def _fence(self) -> None:
         """Return once every op this peer posted before the call has completed."""
-        epoch = self._epoch
-        self._epoch += 1
-        if not any(e <= epoch for e in self._epoch_ops):
+        engine = self.agent.engine
+        last = engine.last_posted
+        if not engine.has_ops_of(self, last):
             return
-        backend = self.agent.engine.attach()
+        backend = engine.attach()
         waiter = backend.new_waiter()
-        self._fences.append((epoch, waiter))
+        engine.when_done(lambda: engine.has_ops_of(self, last), lambda: backend.resolve(waiter, None))
         await backend.wait(waiter)
 
     def _checked(self, opcode: int, pairs: tuple[tuple[Any, Any], ...], what: str) -> list[Pair]:
@@ -567,36 +561,9 @@ class Peer:
 
     # ---- accounting and lifetime ----
 
-    def op_started(self) -> int:
-        epoch = self._epoch
-        counts = self._epoch_ops
-        counts[epoch] = counts.get(epoch, 0) + 1
-        return epoch
-
-    def op_ended(self, epoch: int) -> None:
-        counts = self._epoch_ops
-        left = counts[epoch] - 1
-        if left:
-            counts[epoch] = left
-            return
-        del counts[epoch]
-        if self._fences:
-            self._release_fences()
-        if not counts and self._free_pending:
-            self.free()
-
     def op_failed(self, exc: BaseException) -> None:
         if isinstance(exc, HixlError):
             self._explain(exc, "")
-
-    def _release_fences(self) -> None:
-        oldest = min(self._epoch_ops, default=self._epoch)
-        ready = [f for f in self._fences if f[0] < oldest]
-        if ready:
-            self._fences = [f for f in self._fences if f[0] >= oldest]
-            backend = self.agent.engine.attach()
-            for _, waiter in ready:
-                backend.resolve(waiter, None)
 
     def _all_links(self) -> list[Link]:
         return [*self.links, self.channel] if self._own_channel else self.links
@@ -617,10 +584,8 @@ class Peer:
         await self.release_links()
         # Native handles go once the last op is back: a native thread may
         # still be finishing (or flushing) one.
-        if not self._epoch_ops:
-            self.free()
-        else:
-            self._free_pending = True
+        engine = self.agent.engine
+        engine.when_done(lambda: engine.has_ops_of(self), self.free)
 
     def close_links(self) -> None:
         self.closed = True
@@ -636,7 +601,6 @@ class Peer:
         if self._freed:
             return
         self._freed = True
-        self._free_pending = False
         self.agent.forget_peer(self)
         for link in self._all_links():
             link.free()

@@ -348,3 +348,22 @@ def test_use_from_a_later_loop_of_the_same_thread_is_refused():
         first.run_until_complete(agent.aclose())
     finally:
         first.close()
+
+
+async def test_closing_a_region_waits_for_its_ops_in_flight():
+    """Region.close() returns only once no op of this agent touches the region: a 64 MiB put
+    runs on the copy threads, so it is still in flight when close() is called."""
+    size = 64 << 20
+    async with aiohixl.Agent() as agent:
+        src = agent.allocate(size)
+        dst = agent.allocate(size, name="dst")
+        np.frombuffer(src.memory, dtype=np.uint8)[:] = 7
+        peer = agent.loopback()
+        remote = await peer.region("dst")
+        put = asyncio.ensure_future(peer.put(remote, src))
+        await asyncio.sleep(0)  # posted
+        assert agent.engine.touches(src)
+        await src.close()
+        assert put.done() and put.exception() is None
+        assert not agent.engine.touches(src)
+        assert np.all(np.frombuffer(dst.memory, dtype=np.uint8) == 7)
