@@ -125,6 +125,8 @@ static int flush(hx_agent *a, conn *c, uint64_t budget, bool unlocked)
             }
         }
     }
+    if (!c->unsent)
+        c->held_since = 0;
     tcp_update_interest(a, c);
     return 0;
 }

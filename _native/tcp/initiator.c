@@ -37,8 +37,10 @@ static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count, bo
          * is blocked meanwhile, the hold timer or an answer that wakes the
          * I/O thread sends it. Busy polling (done_at), an op with nothing
          * else on the way goes out now instead, and its answer is polled. */
-        if (!c->unsent)
-            tcp_hold_timer(T(a)->io, true);
+        if (!c->unsent) {
+            tcp_hold_arm(T(a)->io);
+            c->held_since = tcp_now_ns();
+        }
         tcp_append_locked(c, first, last, (uint32_t)count);
         rc = HX_POSTED_HELD;
     } else {
@@ -218,7 +220,6 @@ void tcp_flush(hx_peer *p)
 {
     conn *c = (conn *)p;
     hx_agent *a = p->agent;
-    tcp_hold_timer(T(a)->io, false);
     pthread_mutex_lock(&c->lock);
     uint64_t done_at = 0;
     bool held = c->unsent != NULL;

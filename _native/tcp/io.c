@@ -30,32 +30,60 @@ void tcp_io_wake(tcp_io *io)
     (void)n;
 }
 
-void tcp_hold_timer(tcp_io *io, bool arm)
+/* Caller holds hold_lock. A deadline later than the one set changes nothing. */
+static void set_hold_timer(tcp_io *io, uint64_t deadline, uint64_t now)
 {
-    /* Arming wakes nobody: the I/O thread only hears of it if it fires. */
-    if (!arm && !atomic_exchange(&io->hold_armed, false))
+    if (atomic_load(&io->hold_armed) && io->hold_deadline <= deadline)
         return;
-    if (arm)
-        atomic_store(&io->hold_armed, true);
-    struct itimerspec when = {.it_value.tv_nsec = arm ? HOLD_MAX_NS : 0};
+    io->hold_deadline = deadline;
+    atomic_store(&io->hold_armed, true);
+    uint64_t in = deadline > now ? deadline - now : 1;
+    struct itimerspec when = {
+        .it_value = {.tv_sec = (time_t)(in / 1000000000u), .tv_nsec = (long)(in % 1000000000u)}};
     timerfd_settime(io->tfd, 0, &when, NULL);
 }
 
-/* The hold timer fired: the event loop that was to flush is busy (blocked);
- * what it held goes out from here. */
+void tcp_hold_arm(tcp_io *io)
+{
+    /* Arming wakes nobody: the I/O thread only hears of it if it fires. */
+    if (atomic_load(&io->hold_armed))
+        return;
+    uint64_t now = tcp_now_ns();
+    pthread_mutex_lock(&io->hold_lock);
+    set_hold_timer(io, now + HOLD_MAX_NS, now);
+    pthread_mutex_unlock(&io->hold_lock);
+}
+
+/* The hold timer fired: what was held longer than HOLD_MAX_NS (its event
+ * loop, which was to flush it, is busy) goes out from here; the timer is set
+ * again for the oldest put held for less. */
 static void flush_held(hx_agent *a)
 {
     tcp_agent *t = T(a);
+    tcp_io *io = t->io;
+    pthread_mutex_lock(&io->hold_lock);
+    atomic_store(&io->hold_armed, false);
+    pthread_mutex_unlock(&io->hold_lock);
+    uint64_t now = tcp_now_ns(), next = 0;
     pthread_mutex_lock(&t->lock);
-    for (conn *c = t->io->conns; c; c = c->next_all) {
+    for (conn *c = io->conns; c; c = c->next_all) {
         if (c->target || c->broken)
             continue;
         pthread_mutex_lock(&c->lock);
-        if (c->unsent && tcp_flush_io(a, c) < 0)
+        if (c->unsent && c->held_since && now - c->held_since < HOLD_MAX_NS) {
+            uint64_t due = c->held_since + HOLD_MAX_NS;
+            next = !next || due < next ? due : next;
+        } else if (c->unsent && tcp_flush_io(a, c) < 0) {
             atomic_store(&c->fail_req, HX_E_CONNLOST);
+        }
         pthread_mutex_unlock(&c->lock);
     }
     pthread_mutex_unlock(&t->lock);
+    if (next) {
+        pthread_mutex_lock(&io->hold_lock);
+        set_hold_timer(io, next, tcp_now_ns());
+        pthread_mutex_unlock(&io->hold_lock);
+    }
 }
 
 /* The bytes of a payload that are now complete: hand them on. */
@@ -349,7 +377,6 @@ static void *io_main(void *arg)
                 uint64_t v;
                 ssize_t r = read(io->tfd, &v, sizeof v);
                 (void)r;
-                atomic_store(&io->hold_armed, false);
                 flush_held(a);
                 sweep_needed = true; /* a failed flush asked for a failure */
                 continue;
@@ -459,6 +486,7 @@ tcp_io *tcp_io_get(hx_agent *a, int *status)
         epoll_ctl(io->epfd, EPOLL_CTL_ADD, io->tfd, &tev) < 0)
         goto fail;
     atomic_init(&io->hold_armed, false);
+    pthread_mutex_init(&io->hold_lock, NULL);
     atomic_init(&io->stop, false);
     atomic_init(&io->targets, 0);
     t->io = io;
@@ -519,6 +547,7 @@ static void io_free(hx_agent *a)
     close(io->epfd);
     close(io->evfd);
     close(io->tfd);
+    pthread_mutex_destroy(&io->hold_lock);
     free(io);
     T(a)->io = NULL;
 }

@@ -165,6 +165,7 @@ typedef struct conn {
     /* last_tx_ns: when bytes last went out, or the frame now at the head of
      * the send queue became the head (heartbeats; the drain stall check) */
     uint64_t last_rx_ns, last_tx_ns;
+    uint64_t held_since; /* the send queue was started by a held put then (0: not) */
     /* target: the notification being received, or held while the agent's
      * queue is full (reading stops meanwhile); the last refused op */
     bool rnote, note_held;
@@ -186,8 +187,10 @@ typedef struct tcp_io {
     atomic_int targets; /* target conns: their answers must drain, so the stall check runs */
     int epfd;
     int evfd;
-    int tfd;                /* the hold timer (tcp_hold_timer) */
-    atomic_bool hold_armed; /* it is set: a flush disarms it */
+    int tfd;                   /* the hold timer (tcp_hold_arm) */
+    pthread_mutex_t hold_lock; /* setting the timer */
+    atomic_bool hold_armed;    /* it is set, for hold_deadline */
+    uint64_t hold_deadline;
     pthread_t thread;
     atomic_bool stop;
     conn *conns; /* guarded by tcp_agent.lock */
@@ -283,9 +286,12 @@ int tcp_conn_read(hx_agent *a, conn *c);
 /* The I/O thread, started on first use; NULL with *status when it cannot be. */
 tcp_io *tcp_io_get(hx_agent *a, int *status);
 void tcp_io_wake(tcp_io *io);
-/* Arms (or disarms) the backstop of held puts: unless the caller flushed
- * them within HOLD_MAX_NS, the I/O thread sends them. */
-void tcp_hold_timer(tcp_io *io, bool arm);
+/* The backstop of held puts: unless the caller flushed them within
+ * HOLD_MAX_NS, the I/O thread sends them. Arms the timer when it is idle; a
+ * flush leaves it set (a system call each way costs a burst more than the
+ * timer firing now and then, finding nothing old held and setting itself
+ * for the oldest held put, if any). */
+void tcp_hold_arm(tcp_io *io);
 uint64_t tcp_now_ns(void);
 
 #endif
