@@ -66,6 +66,22 @@ class OpFuture(asyncio.Future):
 collections.abc.Coroutine.register(OpFuture)
 
 
+class HeldOpFuture(OpFuture):
+    """The Future of the first op of a burst that its transport holds until the loop's
+    current callbacks have run (tcp). The first callback attached to it (``gather``'s, or
+    a Task's that awaits it) sends the burst at once: by then every op of it is posted, and
+    the loop need not turn once more first."""
+
+    flush: Any = None  # the engine's flush of what it holds; dropped once called
+
+    def add_done_callback(self, fn: Any, *, context: Any = None) -> None:
+        flush = self.flush
+        if flush is not None:
+            self.flush = None
+            flush()
+        super().add_done_callback(fn, context=context)
+
+
 class AsyncioBackend(Backend):
     name = "asyncio"
 

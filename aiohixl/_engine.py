@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from ._backends import Backend, current_backend
+from ._backends import Backend, HeldOpFuture, current_backend
 from ._native import check, ffi, lib, status_error
 from .errors import ClosedError, HixlError, TransferTimeout, WrongEventLoop
 from .memory import Region, RegionSlice
@@ -194,17 +194,21 @@ class Engine:
             return None
         if rc < 0:
             raise status_error(rc, what)
-        if rc == 2:  # HX_POSTED_HELD
-            if not self._held:
-                self.loop.call_soon(self._flush_held)
+        if rc == 2 and not self._held:  # HX_POSTED_HELD, the first of a burst
+            self.loop.call_soon(self._flush_held)  # unless its first waiter flushes sooner
+            waiter = HeldOpFuture(loop=self.loop)
+            waiter.flush = self._flush_held
+        else:
+            waiter = self.backend.new_waiter()  # type: ignore[union-attr]  # attached: loop is set
+        if rc == 2:
             self._held.append((handle, op_id))
-        # _track, written out: this runs once per op of every burst
-        waiter = self.backend.new_waiter()  # type: ignore[union-attr]  # attached: loop is set
         ops[op_id] = (waiter, (region,), what, owner)
         return waiter
 
     def _flush_held(self) -> None:
         held, self._held = self._held, []
+        if not held:
+            return  # sent already, when the burst's first op got its first waiter
         self._burst = len(held) > 1
         if self.native is None:
             return  # freed (an abandoned agent): its connections with it

@@ -126,6 +126,27 @@ async def test_bursts_announced_frame_by_frame_are_all_answered(pair):
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_a_held_burst_goes_out_when_its_first_op_gets_a_waiter(pair):
+    """gather() attaching its callback to the burst's first put sends the burst then, not a
+    loop iteration later; a burst nobody waits on yet goes out with the loop's next turn."""
+    peer, kv, src, src_arr, target = pair["peer"], pair["kv"], pair["src"], pair["src_arr"], pair["target"]
+    engine = pair["agent"].engine
+    size, count = 64 << 10, 8
+    for _ in range(2):  # the first burst of a run is not held whole: its first put goes alone
+        held = [peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count)]
+        assert engine._held  # held for a flush
+        gathered = asyncio.gather(*held)
+        assert not engine._held  # flushed by gather itself, before the loop turned
+        await gathered
+    held = [peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count)]
+    assert engine._held
+    await asyncio.sleep(0)  # no waiter yet: the loop's turn flushes them
+    assert not engine._held
+    await asyncio.gather(*held)
+    assert await target.hash("kv", 0, size * count) == sha(src_arr[: size * count])
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_held_puts_go_out_while_the_event_loop_is_blocked(pair):
     """The flush of held puts is a loop callback; a loop blocked right after posting (a
     synchronous forward pass) does not keep them back: the I/O thread sends them."""
