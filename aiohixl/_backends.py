@@ -72,13 +72,17 @@ class HeldOpFuture(OpFuture):
     a Task's that awaits it) sends the burst at once: by then every op of it is posted, and
     the loop need not turn once more first."""
 
-    flush: Any = None  # the engine's flush of what it holds; dropped once called
+    flush: Any = None  # the engine's early flush of this burst; None once the burst is out
 
     def add_done_callback(self, fn: Any, *, context: Any = None) -> None:
         flush = self.flush
         if flush is not None:
-            self.flush = None
-            flush()
+            try:
+                flush(self)
+            except Exception as exc:  # the callback is attached all the same: nobody waits forever
+                self.get_loop().call_exception_handler(
+                    {"message": "aiohixl: flushing a held burst failed", "exception": exc, "future": self}
+                )
         super().add_done_callback(fn, context=context)
 
 

@@ -33,7 +33,7 @@ _DRAIN_BATCH = 4096
 
 class OpOwner(Protocol):
     """Who posted an op (a peer). Whether it still has ops in flight is asked of the
-    engine (``has_ops_of``), not counted per op: the hot path keeps no books."""
+    engine (``when_none``), not counted per op: the hot path keeps no books."""
 
     def op_failed(self, exc: BaseException) -> None:
         """Told before the op's waiter gets ``exc`` (a peer learns its path broke)."""
@@ -75,8 +75,9 @@ class Engine:
         self.last_op_id = 0  # the id of the op posted last (what a notification may follow)
         self.on_wake: Any = None  # called after each drain: notifications may have arrived
         self._held: list[tuple[Any, int]] = []  # (handle, op id) of ops held until _flush_held
-        # (busy, then): run ``then`` once ``busy()`` is false, asked again after every drain
-        self._waits: list[tuple[Callable[[], bool], Callable[[], None]]] = []
+        self._held_first: HeldOpFuture | None = None  # the Future of the held burst's first op
+        # when_none's waits: [oldest op id found, match, up_to, then]
+        self._waits: list[list[Any]] = []
 
     @property
     def outstanding(self) -> int:
@@ -87,36 +88,38 @@ class Engine:
         """The id of the op posted last: every op posted so far has an id up to this."""
         return self._next_id - 1
 
-    def has_ops_of(self, owner: object, up_to: int | None = None) -> bool:
-        """Whether ``owner`` has an op in flight (with an id up to ``up_to``)."""
+    def oldest_op(self, match: Callable[[_Op], bool], up_to: int | None = None) -> int | None:
+        """The id of the oldest op in flight that ``match``es (with an id up to ``up_to``), or None."""
         for op_id, op in self._ops.items():
             if up_to is not None and op_id > up_to:
-                return False  # later ops only from here: ids increase in posting order
-            if op[3] is owner:
-                return True
-        return False
+                return None  # later ops only from here: ids increase in posting order
+            if match(op):
+                return op_id
+        return None
 
-    def touches(self, region: Region) -> bool:
-        """Whether an op in flight reads or writes ``region``'s memory."""
-        return any(r is region for op in self._ops.values() for r in op[1])
+    def when_none(self, match: Callable[[_Op], bool], then: Callable[[], None], up_to: int | None = None) -> None:
+        """Run ``then`` once no op in flight ``match``es (up to ``up_to``): now, or after the
+        drain that makes it so.
 
-    def when_done(self, busy: Callable[[], bool], then: Callable[[], None]) -> None:
-        """Run ``then`` once ``busy()`` is false: now, or after the drain that makes it so.
-
-        For the rare waits (a fence, a region's close, a peer's free), which scan the ops
-        in flight, so that posting and completing an op count nothing."""
-        if busy():
-            self._waits.append((busy, then))
-        else:
+        For the rare waits (a fence, a region's close, a peer's free), so that posting and
+        completing an op count nothing. A wait remembers the oldest op it found and looks
+        again only once that one has ended."""
+        found = self.oldest_op(match, up_to)
+        if found is None:
             then()
+        else:
+            self._waits.append([found, match, up_to, then])
 
     def _recheck(self) -> None:
         waits, self._waits = self._waits, []
-        for busy, then in waits:
-            if busy():
-                self._waits.append((busy, then))
+        ops = self._ops
+        for wait in waits:
+            found = wait[0] if wait[0] in ops else self.oldest_op(wait[1], wait[2])
+            if found is None:
+                wait[3]()
             else:
-                then()
+                wait[0] = found
+                self._waits.append(wait)
 
     @property
     def full(self) -> bool:
@@ -164,8 +167,8 @@ class Engine:
     ) -> Any:
         """Post an op; returns its waiter, or None when it finished inline.
 
-        ``keep`` (the local regions) stays referenced, and counted in flight
-        for Region.close(), until the completion arrives.
+        ``keep`` (the local regions) stays referenced until the completion
+        arrives (Region.close() waits for it).
         """
         op_id = self.last_op_id = self._next_id
         self._next_id += 1
@@ -179,8 +182,9 @@ class Engine:
         """post() of one checked pair, with scalar arguments: the hot path of a single put/get.
 
         Under asyncio the transport may hold the op (HX_POSTED_HELD) until the
-        loop's current callbacks have run, so the ops a gather posts go out
-        together (tcp: large puts). Asked while ops come in bursts: others are
+        burst's first op gets a waiter (HeldOpFuture), else until the loop's
+        current callbacks have run, so the ops a gather posts go out together
+        (tcp: large puts). Asked while ops come in bursts: others are
         outstanding, or the last flush sent several; a lone op awaited before
         the next goes out at once (holding it only adds to its latency)."""
         rr, region = rs.region, ls.region
@@ -196,8 +200,8 @@ class Engine:
             raise status_error(rc, what)
         if rc == 2 and not self._held:  # HX_POSTED_HELD, the first of a burst
             self.loop.call_soon(self._flush_held)  # unless its first waiter flushes sooner
-            waiter = HeldOpFuture(loop=self.loop)
-            waiter.flush = self._flush_held
+            waiter = self._held_first = HeldOpFuture(loop=self.loop)
+            waiter.flush = self._flush_first
         else:
             waiter = self.backend.new_waiter()  # type: ignore[union-attr]  # attached: loop is set
         if rc == 2:
@@ -205,8 +209,18 @@ class Engine:
         ops[op_id] = (waiter, (region,), what, owner)
         return waiter
 
+    def _flush_first(self, first: HeldOpFuture) -> None:
+        """The burst's first op got a waiter (gather, a Task): send the burst now. Not while
+        that op is all it holds: a waiter attached as each op is posted (eager tasks,
+        add_done_callback per op) would send every op alone; the loop's turn sends them."""
+        if first is self._held_first and len(self._held) > 1:
+            self._flush_held()
+
     def _flush_held(self) -> None:
         held, self._held = self._held, []
+        first, self._held_first = self._held_first, None
+        if first is not None:
+            first.flush = None  # no stale flush (of a later burst), no engine kept alive by it
         if not held:
             return  # sent already, when the burst's first op got its first waiter
         self._burst = len(held) > 1

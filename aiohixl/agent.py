@@ -12,6 +12,7 @@ import uuid
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Iterable
+from functools import partial
 from typing import Any
 
 import anyio
@@ -502,10 +503,14 @@ class Agent:
         backend = self.engine.attach("Region.close")
         if self._listener is not None:
             await self._listener.withdraw(region.id)
-        engine = self.engine
-        if engine.touches(region):
+
+        def uses(op: tuple[Any, ...]) -> bool:
+            return any(r is region for r in op[1])
+
+        # Again once woken: a pair checked before close() was called may have been posted meanwhile.
+        while self.engine.oldest_op(uses) is not None:
             waiter = backend.new_waiter()
-            engine.when_done(lambda: engine.touches(region), lambda: backend.resolve(waiter, None))
+            self.engine.when_none(uses, partial(backend.resolve, waiter, None))
             await backend.wait(waiter)
         if self._closed:
             return

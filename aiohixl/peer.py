@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from asyncio import _get_running_loop
 from collections.abc import Awaitable, Iterable
+from functools import partial
 from threading import get_ident as _get_ident
 from typing import Any, Protocol, Union
 
@@ -469,12 +470,9 @@ class Peer:
     async def _fence(self) -> None:
         """Return once every op this peer posted before the call has completed."""
         engine = self.agent.engine
-        last = engine.last_posted
-        if not engine.has_ops_of(self, last):
-            return
         backend = engine.attach()
         waiter = backend.new_waiter()
-        engine.when_done(lambda: engine.has_ops_of(self, last), lambda: backend.resolve(waiter, None))
+        engine.when_none(self._owns, partial(backend.resolve, waiter, None), up_to=engine.last_posted)
         await backend.wait(waiter)
 
     def _checked(self, opcode: int, pairs: tuple[tuple[Any, Any], ...], what: str) -> list[Pair]:
@@ -561,6 +559,9 @@ class Peer:
 
     # ---- accounting and lifetime ----
 
+    def _owns(self, op: tuple[Any, ...]) -> bool:
+        return op[3] is self  # posted by this peer
+
     def op_failed(self, exc: BaseException) -> None:
         if isinstance(exc, HixlError):
             self._explain(exc, "")
@@ -584,8 +585,7 @@ class Peer:
         await self.release_links()
         # Native handles go once the last op is back: a native thread may
         # still be finishing (or flushing) one.
-        engine = self.agent.engine
-        engine.when_done(lambda: engine.has_ops_of(self), self.free)
+        self.agent.engine.when_none(self._owns, self.free)
 
     def close_links(self) -> None:
         self.closed = True

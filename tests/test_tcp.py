@@ -147,6 +147,32 @@ async def test_a_held_burst_goes_out_when_its_first_op_gets_a_waiter(pair):
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_a_waiter_per_op_as_posted_does_not_split_the_burst(pair):
+    """A callback attached to each put as it is posted (eager tasks do this) leaves the burst
+    whole for the loop's turn; the finished burst's first future flushes nothing later on."""
+    peer, kv, src, src_arr, target = pair["peer"], pair["kv"], pair["src"], pair["src_arr"], pair["target"]
+    engine = pair["agent"].engine
+    size, count = 64 << 10, 8
+    await asyncio.gather(*(peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(2)))
+    ended: list[int] = []
+    first = []
+    for i in range(count):
+        fut = peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size])
+        fut.add_done_callback(lambda f, i=i: ended.append(i))
+        first.append(fut)
+    assert len(engine._held) == count  # all held: one burst
+    await asyncio.sleep(0)  # the loop's turn sends it
+    assert not engine._held
+    await asyncio.gather(*first)
+    held = [peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count)]
+    first[0].add_done_callback(lambda f: None)  # the old burst's first future: not this burst's
+    assert len(engine._held) == count
+    await asyncio.gather(*held)
+    assert sorted(ended) == list(range(count))
+    assert await target.hash("kv", 0, size * count) == sha(src_arr[: size * count])
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_held_puts_go_out_while_the_event_loop_is_blocked(pair):
     """The flush of held puts is a loop callback; a loop blocked right after posting (a
     synchronous forward pass) does not keep them back: the I/O thread sends them."""

@@ -70,7 +70,8 @@ static void flush_held(hx_agent *a)
         if (c->target || c->broken)
             continue;
         pthread_mutex_lock(&c->lock);
-        if (c->unsent && c->held_since && now - c->held_since < HOLD_MAX_NS) {
+        /* held_since may be later than now: set by a post since now was read */
+        if (c->unsent && c->held_since && (c->held_since > now || now - c->held_since < HOLD_MAX_NS)) {
             uint64_t due = c->held_since + HOLD_MAX_NS;
             next = !next || due < next ? due : next;
         } else if (c->unsent && tcp_flush_io(a, c) < 0) {

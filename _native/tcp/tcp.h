@@ -25,9 +25,10 @@
  *
  * Sending: a small op goes out from the posting thread at once. A put of
  * HX_HOLD_MIN..HX_HOLD_MAX posted with HX_OP_HOLD (the asyncio fast path,
- * while ops come in bursts) is only queued; the caller's hx_peer_flush, once
- * the event loop's current callbacks have run, sends the burst together, in
- * as few sendmsg calls as the socket takes. Should that loop be blocked, the
+ * while ops come in bursts) is only queued; the caller's hx_peer_flush sends
+ * the burst together, in as few sendmsg calls as the socket takes: once the
+ * burst's first op gets a waiter (gather), else once the event loop's current
+ * callbacks have run. Should that loop be blocked, the
  * I/O thread sends them after HOLD_MAX_NS (the hold timer) or once an answer
  * wakes it. What is left over is the I/O thread's, which sends without the
  * connection's lock, so posting never waits on its sendmsg.
