@@ -206,7 +206,7 @@ class Engine:
             waiter = self.backend.new_waiter()  # type: ignore[union-attr]  # attached: loop is set
         if rc == 2:
             self._held.append((handle, op_id))
-        ops[op_id] = (waiter, (region,), what, owner)
+        ops[op_id] = (waiter, (region,), what, owner)  # _track's record, written out: the hot path
         return waiter
 
     def _flush_first(self, first: HeldOpFuture) -> None:
