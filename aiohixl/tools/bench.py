@@ -35,7 +35,7 @@ from ._child import LineChild
 
 KiB, MiB = 1 << 10, 1 << 20
 ROUNDS = 4  # one at a time over N and N in flight alternate this many times
-REG_ROUNDS = 2  # registration figures: the best of this many rounds
+REG_ROUNDS = 3  # registration figures: the best of this many rounds
 INLINE_PATHS = ("loopback", "shm-memfd", "shm-cma")  # same-host ops up to 1 MiB end as they are posted
 TOKEN = "aiohixl-bench"
 
