@@ -17,12 +17,12 @@ from typing import Any
 
 import anyio
 
-from . import _control as c
-from . import _wire as w
 from . import transports as tr
-from ._engine import Engine
-from ._listener import Listener
-from ._native import check, ffi, lib
+from ._control import handshake as c
+from ._control import wire as w
+from ._control.listener import Listener
+from ._loop.engine import Engine
+from ._loop.native import check, ffi, lib
 from .descriptor import RegionInfo, encode_info
 from .errors import ClosedError, ConnectionLost, ConnectTimeout, InvalidArgument, RegionUnavailable
 from .memkinds import Pinned, pin

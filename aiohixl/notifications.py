@@ -18,8 +18,8 @@ from typing import Any
 
 import anyio
 
-from ._engine import Engine
-from ._native import ffi, lib
+from ._loop.engine import Engine
+from ._loop.native import ffi, lib
 from .errors import ClosedError, InvalidArgument, NotificationTimeout
 
 __all__ = ["Notification", "Inbox", "MAX_NOTIFICATION", "note_bytes"]

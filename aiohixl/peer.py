@@ -10,10 +10,10 @@ from typing import Any, Protocol, Union
 
 import anyio
 
-from . import _control as c
-from . import _wire as w
-from ._engine import Engine
-from ._native import lib, status_error
+from ._control import handshake as c
+from ._control import wire as w
+from ._loop.engine import Engine
+from ._loop.native import lib, status_error
 from .descriptor import RegionInfo, decode
 from .errors import (
     AccessDenied,

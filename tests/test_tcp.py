@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aiohixl
-from aiohixl import _control as c
-from aiohixl import _wire as w
+from aiohixl._control import handshake as c
+from aiohixl._control import wire as w
 
 from .harness import TOKEN, Target, pattern, sha
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import anyio
 
-from .. import _control as c
-from .._control import Identity, PeerInfo
-from .._native import ffi, lib
+from .._control import handshake as c
+from .._control.handshake import Identity, PeerInfo
+from .._loop.native import ffi, lib
 from ..descriptor import RegionInfo
 from ..errors import HixlError
 from ..memory import Access

@@ -13,9 +13,9 @@ from typing import Any
 
 import anyio
 
-from .. import _control as c
-from .. import _wire as w
-from .._native import check, ffi, lib
+from .._control import handshake as c
+from .._control import wire as w
+from .._loop.native import check, ffi, lib
 from ..errors import InvalidArgument
 from .base import AgentView, Dial, Link, SessionView, Transport
 

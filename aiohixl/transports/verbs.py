@@ -17,10 +17,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _control as c
-from .. import _wire as w
+from .._control import handshake as c
+from .._control import wire as w
 from .._files import read_text
-from .._native import ffi, lib
+from .._loop.native import ffi, lib
 from ..descriptor import RegionInfo
 from ..errors import InvalidArgument, ProtocolError
 from ..memory import Region

@@ -29,9 +29,9 @@ from typing import Any
 import anyio
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from . import _wire as w
-from ._files import read_text
-from .errors import AuthenticationError, ConnectionLost, HixlError, InvalidArgument, ProtocolError
+from .._files import read_text
+from ..errors import AuthenticationError, ConnectionLost, HixlError, InvalidArgument, ProtocolError
+from . import wire as w
 
 log = logging.getLogger("aiohixl")
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import anyio
 
-from . import _control as c
-from . import _wire as w
-from .errors import HixlError
-from .transports.base import Transport
+from ..errors import HixlError
+from ..transports.base import Transport
+from . import handshake as c
+from . import wire as w
 
 HANDSHAKE_TIMEOUT = 5.0
 # Connections from one address still in their handshake; more are closed at once.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from . import errors
-from ._hixl import ffi, lib
+from .. import errors
+from .._hixl import ffi, lib
 
 __all__ = ["ffi", "lib", "check", "status_error"]
 

@@ -16,11 +16,11 @@ from typing import Any, Protocol
 
 import anyio
 
-from ._backends import Backend, HeldOpFuture, current_backend
-from ._native import check, ffi, lib, status_error
-from .errors import ClosedError, HixlError, TransferTimeout, WrongEventLoop
-from .memory import Region, RegionSlice
-from .remote import RemoteSlice
+from ..errors import ClosedError, HixlError, TransferTimeout, WrongEventLoop
+from ..memory import Region, RegionSlice
+from ..remote import RemoteSlice
+from .backends import Backend, HeldOpFuture, current_backend
+from .native import check, ffi, lib, status_error
 
 _post1 = lib.hx_peer_post1  # one lookup, not one per op
 _flush = lib.hx_peer_flush

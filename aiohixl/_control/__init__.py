@@ -1,0 +1,2 @@
+"""The control plane: framing (``wire``), handshake, identities and sessions (``handshake``) and
+the listening side (``listener``)."""
