@@ -12,6 +12,7 @@ import anyio
 
 from ._control import handshake as c
 from ._control import wire as w
+from ._control.session import Session
 from ._loop.engine import Engine
 from ._loop.native import lib, status_error
 from .descriptor import RegionInfo, decode
@@ -91,7 +92,7 @@ class Peer:
         self.info = info
         self.closed = False
         self._broken: HixlError | None = None
-        self._session: c.Session | None = None
+        self._session: Session | None = None
         self._withdrawn: set[int] = set()
         self._lookups: dict[int, list[Any]] = {}
         self._next_lookup = 1
@@ -121,7 +122,7 @@ class Peer:
                 return f"no heartbeat for {timeout} s"
             return None if not status else "its channel broke"
 
-        self._session = c.Session(
+        self._session = Session(
             ch,
             interval,
             {w.REGION: self._on_region, w.WITHDRAWN: self._on_withdrawn},

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import aiohixl
 from aiohixl._control import handshake as c
 from aiohixl._control import wire as w
+from aiohixl._control.session import Session
 
 from .harness import TOKEN, Target, pattern, sha
 
@@ -431,7 +432,7 @@ async def test_peer_that_never_reads_its_answers_is_cut_off_and_close_returns():
         ctl = c.Channel(await anyio.connect_tcp("127.0.0.1", port))
         served = await c.client_handshake(ctl, TOKEN.encode(), w.ROLE_CONTROL, bytes(16), me, "hoarder")
         handlers = {w.WITHDRAWN: lambda r: None}
-        session = c.Session(ctl, 0.2, handlers, lambda reason: None, "hoarder", lambda: None)
+        session = Session(ctl, 0.2, handlers, lambda reason: None, "hoarder", lambda: None)
         async with anyio.create_task_group() as tg:
             tg.start_soon(session.run)
             data = c.Channel(await anyio.connect_tcp("127.0.0.1", port))
