@@ -9,7 +9,7 @@ import anyio
 
 from ..errors import ConnectionLost, HixlError, ProtocolError
 from . import wire as w
-from .handshake import STREAM_ERRORS, Channel
+from .handshake import STREAM_ERRORS, Channel, log
 
 
 class Session:
@@ -51,11 +51,11 @@ class Session:
                     tg.start_soon(self._watch)
                     reason = await self._reader()
                     tg.cancel_scope.cancel()
-        except BaseException as exc:
-            if isinstance(exc, HixlError):
-                reason = exc
-            elif not isinstance(exc, (Exception, anyio.get_cancelled_exc_class())):
-                raise
+        except anyio.get_cancelled_exc_class():
+            pass
+        except Exception as exc:
+            exc = _unwrapped(exc)
+            reason = exc if isinstance(exc, HixlError) else self._internal_error(exc)
         finally:
             if self._reason is not None:
                 reason = self._reason
@@ -63,6 +63,13 @@ class Session:
                 self.ended = reason
                 self.on_end(reason)
             await self.ch.aclose()
+
+    def _internal_error(self, exc: Exception) -> HixlError:
+        """A handler raised what the library never raises on purpose: a bug, so logged, never a quiet close."""
+        log.error("aiohixl %s: internal error in a control frame handler; the session ends", self.label, exc_info=exc)
+        return ConnectionLost(
+            f"{self.label}: internal error in aiohixl ({type(exc).__name__}: {exc}); the session ended (see the log)"
+        )
 
     async def _reader(self) -> HixlError:
         while True:
@@ -106,3 +113,12 @@ class Session:
     def cancel(self) -> None:
         if self.scope is not None:
             self.scope.cancel()
+
+
+def _unwrapped(exc: Exception) -> Exception:
+    """What the task group's body raised: anyio wraps it in an ExceptionGroup (of one)."""
+    inner = getattr(exc, "exceptions", None)
+    while inner and len(inner) == 1 and isinstance(inner[0], Exception):
+        exc = inner[0]
+        inner = getattr(exc, "exceptions", None)
+    return exc
