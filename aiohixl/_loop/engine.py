@@ -64,11 +64,11 @@ class Engine:
         self._next_id = 1
         self._batch = ffi.new("hx_completion[]", _DRAIN_BATCH)
         # The batch read as plain integers: indexing a memoryview is cheaper than a cdata
-        # struct per completion. hx_completion is {uint64 op_id; int32 status; uint32 reserved}.
+        # struct per completion. hx_completion is {uint64 op_id; int32 status; int32 sys_errno}.
         assert ffi.sizeof("hx_completion") == 16
         raw = memoryview(ffi.buffer(self._batch)).cast("B")
         self._batch_ids = raw.cast("Q")  # op_id of completion i at [2 * i]
-        self._batch_status = raw.cast("i")  # status of completion i at [4 * i + 2]
+        self._batch_status = raw.cast("i")  # status of completion i at [4 * i + 2], its sys_errno at [4 * i + 3]
         self._slot_waiters: list[Any] = []
         self.completed = 0  # ops whose completion arrived, awaited or not
         self.unknown_completions = 0  # completions of no outstanding op: a bug if ever > 0
@@ -313,7 +313,7 @@ class Engine:
                 if status == 0:
                     resolve(op[0], None)
                     continue
-                exc = status_error(status, op[2])
+                exc = status_error(status, op[2], statuses[4 * i + 3])
                 if op[3] is not None:
                     op[3].op_failed(exc)
                 resolve(op[0], exc)
