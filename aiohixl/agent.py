@@ -369,14 +369,14 @@ class Agent:
         closed, and its pages are faulted in now (``register_async`` does that
         off the event loop).
         """
-        pinned, rights = self._pin(obj, access, name)
+        pinned, rights = self._pin(obj, access, name, "Agent.register")
         self._prefault(pinned)
         return self._add_region(pinned, rights, name, "Agent.register")
 
     async def register_async(self, obj: Any, *, access: Access | None = None, name: str | None = None) -> Region:
         """``register()``, its pages faulted in on a worker thread: the event loop runs
         meanwhile, and the region exists (peers find it) once they all are."""
-        pinned, rights = self._pin(obj, access, name)
+        pinned, rights = self._pin(obj, access, name, "Agent.register_async")
         await self._prefault_off_loop(pinned, "Agent.register_async")
         return self._add_region(pinned, rights, name, "Agent.register_async")
 
@@ -400,15 +400,15 @@ class Agent:
         await self._prefault_off_loop(pinned, what)
         return self._add_region(pinned, rights, name, what)
 
-    def _pin(self, obj: Any, access: Access | None, name: str | None) -> tuple[Pinned, Access]:
-        self.check_open("Agent.register")
-        _check_region_args(access, name, "Agent.register")
-        pinned = pin(obj, "Agent.register")
+    def _pin(self, obj: Any, access: Access | None, name: str | None, what: str) -> tuple[Pinned, Access]:
+        self.check_open(what)
+        _check_region_args(access, name, what)
+        pinned = pin(obj, what)
         if access is None:
             access = Access.NONE  # nothing a peer can do unless asked for
         if pinned.readonly and access & Access.REMOTE_WRITE:
             pinned.release()
-            raise InvalidArgument(f"Agent.register: {type(obj).__name__} is read-only but access asks for REMOTE_WRITE")
+            raise InvalidArgument(f"{what}: {type(obj).__name__} is read-only but access asks for REMOTE_WRITE")
         return pinned, Access(access)
 
     def _memfd(self, nbytes: int, access: Access | None, name: str | None, call: str) -> tuple[Pinned, Access, str]:

@@ -22,3 +22,12 @@ async def test_a_system_error_completed_on_a_native_thread_carries_that_threads_
             await engine.wait(waiter, 10.0, "Peer.put")
         assert raised.value.errno == errno.ENETDOWN, raised.value
         assert str(raised.value).startswith(f"[Errno {errno.ENETDOWN}] Peer.put: ")
+
+
+async def test_an_op_posted_through_a_transports_own_call_is_the_one_a_notification_follows():
+    """post_with (verbs imm, notifications) moves last_op_id as post and post1 do: a notify's dep is that op."""
+    async with aiohixl.Agent(transports=("loopback",)) as agent:
+        engine = agent.engine
+        posted: list[int] = []
+        engine.post_with(lambda op_id: posted.append(op_id) or lib.HX_DONE_INLINE, (), "Peer.put")
+        assert engine.last_op_id == posted[0]

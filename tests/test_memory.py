@@ -242,6 +242,13 @@ async def test_bad_arguments_are_refused_clearly(agent, call, error, text):
     assert not agent.live_regions()  # nothing half-registered
 
 
+async def test_register_async_errors_name_register_async(agent):
+    with pytest.raises(aiohixl.InvalidArgument, match=r"^Agent\.register_async: access=0x8 has bits outside"):
+        await agent.register_async(bytearray(8), access=8)
+    with pytest.raises(aiohixl.InvalidArgument, match=r"^Agent\.register_async: bytes is read-only"):
+        await agent.register_async(b"abc", access=aiohixl.Access.REMOTE_WRITE)
+
+
 async def test_empty_multidimensional_buffer_registers(agent):
     region = agent.register(np.zeros((0, 5)))
     assert region.nbytes == 0 and len(region.memory) == 0

@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 import aiohixl
 from aiohixl._control import handshake as c
 from aiohixl._control import wire as w
+from aiohixl._control.listener import Served
 from aiohixl._control.session import Session
+from aiohixl._loop.native import lib
 
 from .harness import TOKEN, Target, pattern, sha
 
@@ -632,3 +634,29 @@ async def test_without_the_latency_mode_no_op_ends_inline():
                 await fut
     finally:
         await target.aclose()
+
+
+async def test_a_data_connection_the_native_side_could_not_take_is_not_reported_taken():
+    """take_data_connection says False when hx_tcp_serve_fd fails (here: the agent's native side has stopped)."""
+    async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, transports=TCP) as agent:
+        tcp = agent._transports["tcp"]
+        await agent.connect(agent.address)  # the native I/O thread runs
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        accepted = anyio.Event()
+        results: list[bool] = []
+        lib.hx_agent_shutdown(agent.engine.native)  # no I/O thread takes connections now
+
+        async def serve(stream) -> None:
+            results.append(await tcp.take_data_connection(c.Channel(stream), Served(os.urandom(16), None)))
+            accepted.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, serve)
+            client = await anyio.connect_tcp("127.0.0.1", port)
+            with anyio.fail_after(10):
+                await accepted.wait()
+            tg.cancel_scope.cancel()
+        await client.aclose()
+        await listener.aclose()
+        assert results == [False]

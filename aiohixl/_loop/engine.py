@@ -245,7 +245,7 @@ class Engine:
         self, submit: Any, keep: tuple[Region, ...], what: str, owner: OpOwner | None = None, busy_ok: bool = False
     ) -> Any:
         """Like post(), through a transport's own native call ``submit(op_id) -> status``."""
-        op_id = self._next_id
+        op_id = self.last_op_id = self._next_id
         self._next_id += 1
         rc = submit(op_id)
         if busy_ok and rc == lib.HX_E_BUSY:

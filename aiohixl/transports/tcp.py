@@ -55,8 +55,9 @@ class TcpTransport(Transport):
         rc = lib.hx_tcp_serve_fd(
             self.agent.engine.native, fd, session_key(session.sid), w.DATA_OK_FRAME, len(w.DATA_OK_FRAME)
         )
-        if rc < 0:
+        if rc < 0:  # the native side closed the socket it was given
             c.log.warning("aiohixl %s: could not serve a data connection (status %d)", self.agent.name, rc)
+            return False
         return True
 
     def session_alive(self, session: SessionView) -> int:

@@ -159,9 +159,6 @@ class VerbsTransport(Transport):
     def region_removed(self, region: Region) -> None:
         self._rkeys.pop(region.id, None)
 
-    def rkey(self, region: Region) -> int | None:
-        return self._rkeys.get(region.id)
-
     def descriptor_keys(self, region: Region) -> dict[int, bytes]:
         rkey = self._rkeys.get(region.id)
         return {} if rkey is None else {KEY_RKEY: rkey.to_bytes(4, "little")}
