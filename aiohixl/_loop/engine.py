@@ -84,6 +84,11 @@ class Engine:
         return len(self._ops)
 
     @property
+    def held(self) -> int:
+        """Ops the transports hold for the burst's flush (under asyncio)."""
+        return len(self._held)
+
+    @property
     def last_posted(self) -> int:
         """The id of the op posted last: every op posted so far has an id up to this."""
         return self._next_id - 1
@@ -120,6 +125,11 @@ class Engine:
             else:
                 wait[0] = found
                 self._waits.append(wait)
+
+    def closing(self) -> None:
+        """The agent closes: nothing is posted at the call any more (Peer's checked path says why)."""
+        self.loop = None
+        self._hold = 0
 
     @property
     def full(self) -> bool:
