@@ -142,8 +142,10 @@ class Peer(metaclass=NoPublicConstructor):
         The hot path of every single put and get: the checks of ``_check`` written out for
         the usual arguments (slices), ``_check`` itself for anything else or to raise."""
         engine = self._engine
-        loop = engine.loop  # None once the agent closes, too: the coroutine path says so
+        loop = engine.loop
         if loop is None or len(engine._ops) >= engine.capacity:
+            if self._core.agent.closed:  # a closing agent took the loop away (Engine.closing)
+                self._check_open(what)  # refused at the call, as ever
             return None
         # Called from the loop's own thread while it runs. asyncio's get_running_loop()
         # asks the kernel for the pid on every call; the thread id is free.

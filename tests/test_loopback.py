@@ -409,3 +409,17 @@ async def test_the_agent_and_the_peer_show_users_their_api_only(agent):
     for obj, names in internal.items():
         shown = {n for n in dir(obj) if not n.startswith("_")}
         assert shown.isdisjoint(names.split()), (obj, shown & set(names.split()))
+
+
+async def test_an_op_on_a_closed_agent_is_refused_at_the_call():
+    agent = aiohixl.Agent(transports=("loopback",))
+    await agent.start()
+    src = agent.allocate(64)
+    dst = agent.allocate(64, name="dst")
+    peer = agent.loopback()
+    remote = await peer.region("dst")
+    await peer.put(remote[0:64], src[0:64])
+    await agent.aclose()
+    with pytest.raises(aiohixl.ClosedError, match=r"^Peer\.put: "):
+        peer.put(remote[0:64], src[0:64])  # not awaited: raised by the call itself
+    assert dst.closed
