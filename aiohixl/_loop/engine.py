@@ -245,8 +245,8 @@ class Engine:
                 flushed.add(handle)
                 _flush(handle)
         if flushed:
-            # tcp's flush reads the burst's answers for a while (a few microseconds on
-            # loopback): take what it put in the ring now, not a loop iteration later.
+            # tcp's flush reads the burst's answers for a while: take what it put in the
+            # ring now, not a loop iteration later.
             self.drain()
 
     BUSY = object()  # post_with(busy_ok=True): the receiver has no room yet
