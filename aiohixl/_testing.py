@@ -5,8 +5,8 @@ Not part of the API (nothing here is exported by ``aiohixl``); it changes with t
 
 from __future__ import annotations
 
-from typing import Any
-
+from ._agent.core import AgentCore
+from ._agent.peer_core import PeerCore
 from ._control.handshake import Identity
 from ._loop.engine import Engine
 from .agent import Agent
@@ -32,7 +32,7 @@ __all__ = [
 
 def engine(agent: Agent) -> Engine:
     """The agent's completion engine: ``completed``, ``unknown_completions``, ``drain()``, ``native``."""
-    return agent._core.engine
+    return _agent(agent).engine
 
 
 def held_ops(agent: Agent) -> int:
@@ -47,38 +47,45 @@ def in_flight_on(agent: Agent, region: Region) -> bool:
 
 def identity(agent: Agent) -> Identity:
     """Who the agent says it is in a handshake (for tests that speak the protocol by hand)."""
-    return agent._core.identity()
+    return _agent(agent).identity()
 
 
 def region_info(region: Region) -> RegionInfo:
     """What a peer learns of ``region``: its descriptor, decoded."""
-    return region.agent._core.regions.info(region)
+    return _agent(region.agent).regions.info(region)
 
 
 def live_regions(agent: Agent) -> list[Region]:
-    return agent._core.regions.live_all()
+    return _agent(agent).regions.live_all()
 
 
-def transport(agent: Agent, name: str) -> Any:
+def transport(agent: Agent, name: str) -> Transport:
     """The agent's transport object ``name`` (e.g. ``"shm"``: its ``socket_name``)."""
-    found: Transport = agent._core.transports[name]
-    return found
+    return _agent(agent).transports[name]
 
 
 def tracked_peers(agent: Agent) -> int:
     """Peers whose native handles the agent still holds (a closed peer's go once its ops are back)."""
-    return len(agent._core.peers)
+    return len(_agent(agent).peers)
 
 
 def peer_tracked(agent: Agent, peer: Peer) -> bool:
-    return peer._core in agent._core.peers
+    return _peer(peer) in _agent(agent).peers
 
 
 def links(peer: Peer) -> list[Link]:
     """The peer's data links, in order of preference."""
-    return peer._core.links
+    return _peer(peer).links
 
 
 def notes_link(peer: Peer) -> Link:
     """The link the peer's notifications travel on."""
-    return peer._core.notes
+    return _peer(peer).notes
+
+
+def _agent(agent: Agent) -> AgentCore:
+    return agent._core  # the one reach into an Agent
+
+
+def _peer(peer: Peer) -> PeerCore:
+    return peer._core  # the one reach into a Peer

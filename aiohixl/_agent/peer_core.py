@@ -31,6 +31,7 @@ class PeersOwner(Protocol):
     peers: set[PeerCore]
     regions: Regions
     inbox: Inbox
+    closed: bool
 
     def check_open(self, what: str) -> None: ...
 
