@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import errno
 import hmac
 import os
 import secrets
@@ -24,7 +23,7 @@ from ._engine import Engine
 from ._listener import Listener
 from ._native import check, ffi, lib
 from .descriptor import RegionInfo, encode_info
-from .errors import ClosedError, ConnectionLost, ConnectTimeout, InvalidArgument, RegionUnavailable
+from .errors import ClosedError, ConnectFailed, ConnectionLost, ConnectTimeout, InvalidArgument, RegionUnavailable
 from .memkinds import Pinned, pin
 from .memkinds.memfd import allocate as allocate_memfd
 from .memory import Access, Region
@@ -568,9 +567,12 @@ class Agent:
     ) -> Peer:
         """Connect to the agent listening at ``address`` ("host:port") and authenticate.
 
-        Raises AuthenticationError when the tokens differ, ConnectionLost when
-        nothing answers, ConnectTimeout when the handshake takes longer than
-        ``timeout`` seconds, InvalidArgument when no transport is usable by both.
+        Raises ConnectFailed (an OSError, errno kept) when no connection can be made
+        (refused, the host name does not resolve, unreachable), ConnectionLost when
+        the connection breaks during the handshake, AuthenticationError when the
+        tokens differ, ProtocolError when what answers is not an aiohixl listener,
+        ConnectTimeout when the handshake takes longer than ``timeout`` seconds,
+        InvalidArgument when no transport is usable by both.
         """
         what = f"Agent.connect({address!r})"
         self.check_open("Agent.connect")
@@ -584,7 +586,7 @@ class Agent:
         ch: c.Channel | None = None
         try:
             with anyio.fail_after(timeout):
-                ch = c.Channel(await anyio.connect_tcp(host, port))
+                ch = c.Channel(await c.connect_tcp(host, port, what))
                 info = await c.client_handshake(ch, key, w.ROLE_CONTROL, bytes(16), me, what)
                 assert info is not None
                 usable = [t for n, t in self._transports.items() if n in wanted and t.usable_with(info)]
@@ -608,9 +610,14 @@ class Agent:
         except TimeoutError:
             await _abandon(ch, links)
             raise ConnectTimeout(f"{what}: no answer within {timeout} s") from None
+        except ConnectFailed:
+            await _abandon(ch, links)
+            raise
         except c.STREAM_ERRORS as exc:
             await _abandon(ch, links)
-            raise _connect_error(exc, what) from None
+            raise ConnectionLost(
+                f"{what}: the connection broke during the handshake ({exc or type(exc).__name__})"
+            ) from None
         except BaseException:
             await _abandon(ch, links)
             raise
@@ -642,23 +649,6 @@ _OPEN: weakref.WeakSet[Agent] = weakref.WeakSet()
 def _close_open_agents() -> None:
     for agent in list(_OPEN):
         agent._close_abandoned()
-
-
-def _connect_error(exc: BaseException, what: str) -> ConnectionLost:
-    """ConnectionLost for a failed connect, saying why in words and keeping the errno.
-
-    anyio says "All connection attempts failed" and keeps the real error as the cause.
-    """
-    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
-    errno_ = getattr(cause, "errno", None)
-    if isinstance(cause, ConnectionRefusedError) or errno_ == errno.ECONNREFUSED:
-        err = ConnectionLost(f"{what}: connection refused (nothing listens there)")
-    elif isinstance(cause, OSError) and cause.strerror:
-        err = ConnectionLost(f"{what}: {cause.strerror}")
-    else:
-        err = ConnectionLost(f"{what}: {exc or type(exc).__name__}")
-    err.errno = errno_
-    return err
 
 
 def _check_region_args(access: Any, name: Any, what: str) -> None:

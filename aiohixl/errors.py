@@ -2,6 +2,8 @@
 
 - ``ClosedError``: *you* closed the agent, region or peer this call used.
 - ``ConnectionLost``: the *other side* went away (process died, link broke).
+- ``ConnectFailed`` (a ``ConnectionLost`` and an ``OSError``): no connection
+  was made at all (refused, the name does not resolve, unreachable).
 - ``RegionUnavailable``: the target withdrew (closed) the region an op named.
 - ``OutOfBounds`` / ``AccessDenied``: the op was refused before any byte moved.
 - ``TransferTimeout``: the caller stopped waiting; the op itself may still
@@ -25,6 +27,7 @@ __all__ = [
     "ClosedError",
     "RegionUnavailable",
     "ConnectionLost",
+    "ConnectFailed",
     "ConnectTimeout",
     "AuthenticationError",
     "ProtocolError",
@@ -83,6 +86,19 @@ class ConnectionLost(HixlError):
     """
 
     errno: int | None = None
+
+
+class ConnectFailed(ConnectionLost, OSError):  # type: ignore[misc]  # errno: OSError's, restored below
+    """No connection could be made: nothing listens there, the host name does not
+    resolve, the host or network is unreachable (tcp, and the shm memfd socket).
+
+    An ``OSError`` too, with the system's ``errno`` kept (``ECONNREFUSED``...; for a
+    name that does not resolve, the resolver's ``socket.EAI_*`` code, as in
+    ``socket.gaierror``), and a ``ConnectionLost``: code that handles "cannot reach
+    the peer" with ``except ConnectionLost`` keeps working.
+    """
+
+    errno = OSError.errno  # type: ignore[assignment]  # ConnectionLost's class-level None would hide it
 
 
 class ConnectTimeout(HixlError, TimeoutError):

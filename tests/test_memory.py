@@ -249,18 +249,6 @@ async def test_empty_multidimensional_buffer_registers(agent):
     await region.close()
 
 
-async def test_refused_connection_says_so_and_keeps_errno(agent):
-    import errno
-    import socket
-
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.raises(aiohixl.ConnectionLost, match="connection refused") as info:
-        await agent.connect(f"127.0.0.1:{port}", token="t")
-    assert info.value.errno == errno.ECONNREFUSED
-
-
 async def test_closing_region_releases_buffer(agent):
     buf = bytearray(100)
     region = agent.register(buf)
