@@ -26,7 +26,7 @@ from .descriptor import RegionInfo, encode_info
 from .errors import ClosedError, ConnectFailed, ConnectionLost, ConnectTimeout, InvalidArgument, RegionUnavailable
 from .memkinds import Pinned, pin
 from .memkinds.memfd import allocate as allocate_memfd
-from .memory import Access, Region
+from .memory import Access, Region, parse_access
 from .notifications import Inbox, Notification
 from .peer import Peer
 from .remote import RemoteRegion
@@ -127,8 +127,9 @@ class Agent:
         self._listener: Listener | None = None
         self.engine = Engine(max_inflight, copy_threads)
         self._threads = copy_threads
-        self._names: collections.OrderedDict[int, str] = collections.OrderedDict()  # senders, by session key
-        self._inbox = Inbox(self.engine, max_notifications, self._sender_name)
+        # senders' (name, agent id), by session key
+        self._names: collections.OrderedDict[int, tuple[str, bytes]] = collections.OrderedDict()
+        self._inbox = Inbox(self.engine, max_notifications, self._sender)
         self.engine.on_wake = self._inbox.pull
         self._transports = tr.make(
             self,
@@ -238,11 +239,11 @@ class Agent:
     async def notes_room(self) -> None:
         await self._inbox.room()
 
-    def _sender_name(self, source: int) -> str | None:
-        return self.name if source == 0 else self._names.get(source)
+    def _sender(self, source: int) -> tuple[str, bytes] | tuple[None, None]:
+        return (self.name, self.id) if source == 0 else self._names.get(source, (None, None))
 
-    def _on_session(self, sid: bytes, name: str) -> None:
-        self._names[int.from_bytes(sid[:8], "little")] = name
+    def _on_session(self, sid: bytes, name: str, agent_id: bytes) -> None:
+        self._names[int.from_bytes(sid[:8], "little")] = (name, agent_id)
         while len(self._names) > 4096:  # names of ended sessions go, oldest first
             self._names.popitem(last=False)
 
@@ -357,10 +358,11 @@ class Agent:
 
     # ---- memory ----
 
-    def register(self, obj: Any, *, access: Access | None = None, name: str | None = None) -> Region:
+    def register(self, obj: Any, *, access: Access | str | None = None, name: str | None = None) -> Region:
         """Register a C-contiguous buffer (bytearray, memoryview, mmap, numpy) or torch CPU tensor.
 
-        ``access`` says what peers may do; by default nothing (``Access.NONE``):
+        ``access`` says what peers may do (``Access`` flags, or words: "remote_write" or
+        "w", "remote_read" or "r", "rw", "none", joined by "|"); by default nothing (``Access.NONE``):
         memory registered as the local end of ops. Give ``REMOTE_WRITE`` and/or
         ``REMOTE_READ`` for memory peers should reach; they reach it by its
         ``name`` (published) or by its descriptor, never by guessing. The
@@ -372,14 +374,14 @@ class Agent:
         self._prefault(pinned)
         return self._add_region(pinned, rights, name, "Agent.register")
 
-    async def register_async(self, obj: Any, *, access: Access | None = None, name: str | None = None) -> Region:
+    async def register_async(self, obj: Any, *, access: Access | str | None = None, name: str | None = None) -> Region:
         """``register()``, its pages faulted in on a worker thread: the event loop runs
         meanwhile, and the region exists (peers find it) once they all are."""
         pinned, rights = self._pin(obj, access, name)
         await self._prefault_off_loop(pinned, "Agent.register_async")
         return self._add_region(pinned, rights, name, "Agent.register_async")
 
-    def allocate(self, nbytes: int, *, access: Access | None = None, name: str | None = None) -> Region:
+    def allocate(self, nbytes: int, *, access: Access | str | None = None, name: str | None = None) -> Region:
         """Allocate ``nbytes`` of zero-filled, page-aligned memory (memfd-backed) and register it.
 
         ``access`` defaults to REMOTE_READ|REMOTE_WRITE: allocated memory is made
@@ -392,16 +394,18 @@ class Agent:
         self._prefault(pinned)
         return self._add_region(pinned, rights, name, what)
 
-    async def allocate_async(self, nbytes: int, *, access: Access | None = None, name: str | None = None) -> Region:
+    async def allocate_async(
+        self, nbytes: int, *, access: Access | str | None = None, name: str | None = None
+    ) -> Region:
         """``allocate()``, its pages faulted in on a worker thread: the event loop runs
         meanwhile, and the region exists (peers find it) once they all are."""
         pinned, rights, what = self._memfd(nbytes, access, name, "Agent.allocate_async")
         await self._prefault_off_loop(pinned, what)
         return self._add_region(pinned, rights, name, what)
 
-    def _pin(self, obj: Any, access: Access | None, name: str | None) -> tuple[Pinned, Access]:
+    def _pin(self, obj: Any, access: Access | str | None, name: str | None) -> tuple[Pinned, Access]:
         self.check_open("Agent.register")
-        _check_region_args(access, name, "Agent.register")
+        access = _check_region_args(access, name, "Agent.register")
         pinned = pin(obj, "Agent.register")
         if access is None:
             access = Access.NONE  # nothing a peer can do unless asked for
@@ -410,14 +414,16 @@ class Agent:
             raise InvalidArgument(f"Agent.register: {type(obj).__name__} is read-only but access asks for REMOTE_WRITE")
         return pinned, Access(access)
 
-    def _memfd(self, nbytes: int, access: Access | None, name: str | None, call: str) -> tuple[Pinned, Access, str]:
+    def _memfd(
+        self, nbytes: int, access: Access | str | None, name: str | None, call: str
+    ) -> tuple[Pinned, Access, str]:
         self.check_open(call)
         what = f"{call}({nbytes!r})"
         if isinstance(nbytes, bool) or not isinstance(nbytes, int):
             raise InvalidArgument(f"{what}: size must be an int, not {type(nbytes).__name__}")
         if nbytes < 0:
             raise InvalidArgument(f"{what}: size must be >= 0")
-        _check_region_args(access, name, what)
+        access = _check_region_args(access, name, what)
         try:
             pinned = allocate_memfd(nbytes, name)
         except OSError as exc:
@@ -651,15 +657,15 @@ def _close_open_agents() -> None:
         agent._close_abandoned()
 
 
-def _check_region_args(access: Any, name: Any, what: str) -> None:
-    """``access`` and ``name`` of register()/allocate(), checked before anything is pinned."""
-    if access is not None:
-        if isinstance(access, bool) or not isinstance(access, int):
-            raise InvalidArgument(f"{what}: access must be Access flags, not {type(access).__name__}")
-        if int(access) & ~int(Access.REMOTE_READ | Access.REMOTE_WRITE) or int(access) < 0:
-            raise InvalidArgument(f"{what}: access={int(access):#x} has bits outside REMOTE_READ|REMOTE_WRITE")
+def _check_region_args(access: Any, name: Any, what: str) -> Access | None:
+    """``access`` (flags or words, as parse_access takes) and ``name`` of register()/allocate(),
+    checked before anything is pinned; the access as flags."""
+    access = parse_access(access, what)
+    if access is not None and (int(access) & ~int(Access.REMOTE_READ | Access.REMOTE_WRITE) or int(access) < 0):
+        raise InvalidArgument(f"{what}: access={int(access):#x} has bits outside REMOTE_READ|REMOTE_WRITE")
     if name is not None and not isinstance(name, str):
         raise InvalidArgument(f"{what}: name must be a str, not {type(name).__name__}")
+    return access
 
 
 def _transport_names(transports: str | tuple[str, ...], what: str) -> tuple[str, ...]:

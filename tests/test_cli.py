@@ -73,3 +73,18 @@ def test_bench_quick_writes_json(tmp_path):
                 assert row["limit"]["baseline"] == "memcpy_gbps"
     assert isinstance(data["transports"]["tcp"]["latency"]["put 4 KiB"]["limit"]["above_limit"], bool)
     assert isinstance(data["machine"]["above_physical_limit"], int)
+
+
+def test_store_errors_name_the_command_once_and_its_own_options():
+    env = {k: v for k, v in os.environ.items() if k != "AIOHIXL_TOKEN"}
+
+    def store(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "aiohixl", "store", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+
+    proc = store("--listen", "127.0.0.1:0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "aiohixl store: a shared token is required (--token or AIOHIXL_TOKEN)"
+    proc = store("--listen", "nowhere", "--token", "t")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "aiohixl store --listen: address 'nowhere' is not 'host:port'"

@@ -86,3 +86,12 @@ async def test_an_http_client_at_a_listener_is_logged_as_such(caplog):
         assert isinstance(await asyncio.to_thread(get), (http.client.RemoteDisconnected, ConnectionResetError))
     logged = [r.getMessage() for r in caplog.records if "closed a connection" in r.getMessage()]
     assert any("is this an aiohixl client?" in m and "look like HTTP" in m for m in logged), logged
+
+
+async def test_notification_arguments_are_checked_by_name(agent):
+    with pytest.raises(aiohixl.InvalidArgument, match=r"Agent.notification: match= takes bytes, not str"):
+        await agent.notification(match="ready")
+    with pytest.raises(aiohixl.InvalidArgument, match=r"Agent.notification: timeout must be a number"):
+        await agent.notification(timeout="1")
+    with pytest.raises(aiohixl.InvalidArgument, match=r"Peer.notify: data takes bytes"):
+        await agent.loopback().notify("ready")

@@ -29,7 +29,7 @@ from ..errors import (
     OutOfBounds,
     UnsupportedMemory,
 )
-from ..memory import Access, Region, RegionSlice
+from ..memory import Access, Region, RegionSlice, parse_access
 from ..peer import Peer
 from ..remote import RemoteRegion, RemoteSlice
 from .record import MAX_RANK, RankRecord, StoreURL, parse_store_url
@@ -41,30 +41,6 @@ __all__ = ["Context", "init", "get_remote_mem", "put", "get"]
 log = logging.getLogger("aiohixl")
 
 RemoteRef = Union[RemoteRegion, RemoteSlice]
-
-_ACCESS_WORDS = {
-    "remote_write": Access.REMOTE_WRITE,
-    "remote_read": Access.REMOTE_READ,
-    "remote_read_write": Access.REMOTE_READ | Access.REMOTE_WRITE,
-    "none": Access.NONE,
-}
-
-
-def parse_access(access: Access | str | None, what: str) -> Access | None:
-    """``Access`` flags, or words: "remote_write", "remote_read", "remote_read_write", joined by "|"."""
-    if access is None or isinstance(access, Access):
-        return access
-    if isinstance(access, int) and not isinstance(access, bool):
-        return Access(access)
-    if isinstance(access, str):
-        flags = Access.NONE
-        for word in access.replace(",", "|").split("|"):
-            flag = _ACCESS_WORDS.get(word.strip().lower())
-            if flag is None:
-                raise InvalidArgument(f"{what}: access {access!r}: use {sorted(_ACCESS_WORDS)} or Access flags")
-            flags |= flag
-        return flags
-    raise InvalidArgument(f"{what}: access must be Access flags or a string, not {type(access).__name__}")
 
 
 def _env_int(name: str, what: str) -> int | None:
