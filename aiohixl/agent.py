@@ -42,6 +42,14 @@ class Agent:
     Use it as ``async with Agent() as agent:`` (or ``await agent.start()`` and
     ``await agent.aclose()``).
 
+    An agent belongs to the event loop that starts it (or first uses it): from
+    then on every call that changes it or moves data (register/allocate and their
+    _async forms, loopback, connect, notification, ops, Region.close, aclose)
+    raises WrongEventLoop from another thread or loop. Safe from any thread: the
+    read-only ``stats()``, ``outstanding``, ``notifications_dropped``, ``address``,
+    ``closed``, and a region's ``memory``. Before it is started, regions may be
+    registered from plain (non-async) code.
+
     ``listen="host:port"`` makes peers able to connect (port 0 picks a free
     port; ``agent.address`` tells which). ``token`` is the shared secret both
     sides of a connection prove they hold (default: ``AIOHIXL_TOKEN``).
@@ -150,7 +158,6 @@ class Agent:
         self._peers: set[Peer] = set()
         self._next_region = 1
         self._closed = False
-        self._stats_buf = ffi.new("hx_stats *")
         _OPEN.add(self)
 
     # ---- lifetime ----
@@ -261,6 +268,7 @@ class Agent:
 
     def stats(self) -> dict[str, Any]:
         """Counters kept natively since the agent was made, read in one call (cheap: no lock).
+        Safe from any thread (a metrics exporter's), unlike the methods that change the agent.
 
         ``{"transports": {name: {"ops", "bytes", "errors"}}, "notifications": {"received",
         "sent", "dropped"}, "outstanding": n}``: ops (and their bytes) posted through this
@@ -269,7 +277,7 @@ class Agent:
         now. Checks done in Python before an op reaches the native layer are not counted.
         """
         self.check_open("Agent.stats")
-        out = self._stats_buf
+        out = ffi.new("hx_stats *")  # one per call: callers on two threads never share it
         lib.hx_agent_stats(self.engine.native, out)
         transports = {}
         for i, name in enumerate(_STAT_TRANSPORTS):
@@ -298,6 +306,7 @@ class Agent:
         """
         if self._closed:
             return
+        self.engine.check_loop("Agent.aclose")
         self._closed = True
         self._inbox.close()
         if self._listener is not None:
@@ -370,14 +379,14 @@ class Agent:
         closed, and its pages are faulted in now (``register_async`` does that
         off the event loop).
         """
-        pinned, rights = self._pin(obj, access, name)
+        pinned, rights = self._pin(obj, access, name, "Agent.register")
         self._prefault(pinned)
         return self._add_region(pinned, rights, name, "Agent.register")
 
     async def register_async(self, obj: Any, *, access: Access | str | None = None, name: str | None = None) -> Region:
         """``register()``, its pages faulted in on a worker thread: the event loop runs
         meanwhile, and the region exists (peers find it) once they all are."""
-        pinned, rights = self._pin(obj, access, name)
+        pinned, rights = self._pin(obj, access, name, "Agent.register_async")
         await self._prefault_off_loop(pinned, "Agent.register_async")
         return self._add_region(pinned, rights, name, "Agent.register_async")
 
@@ -403,21 +412,23 @@ class Agent:
         await self._prefault_off_loop(pinned, what)
         return self._add_region(pinned, rights, name, what)
 
-    def _pin(self, obj: Any, access: Access | str | None, name: str | None) -> tuple[Pinned, Access]:
-        self.check_open("Agent.register")
-        access = _check_region_args(access, name, "Agent.register")
-        pinned = pin(obj, "Agent.register")
+    def _pin(self, obj: Any, access: Access | str | None, name: str | None, call: str) -> tuple[Pinned, Access]:
+        self.check_open(call)
+        self.engine.check_loop(call)
+        access = _check_region_args(access, name, call)
+        pinned = pin(obj, call)
         if access is None:
             access = Access.NONE  # nothing a peer can do unless asked for
         if pinned.readonly and access & Access.REMOTE_WRITE:
             pinned.release()
-            raise InvalidArgument(f"Agent.register: {type(obj).__name__} is read-only but access asks for REMOTE_WRITE")
+            raise InvalidArgument(f"{call}: {type(obj).__name__} is read-only but access asks for REMOTE_WRITE")
         return pinned, Access(access)
 
     def _memfd(
         self, nbytes: int, access: Access | str | None, name: str | None, call: str
     ) -> tuple[Pinned, Access, str]:
         self.check_open(call)
+        self.engine.check_loop(call)
         what = f"{call}({nbytes!r})"
         if isinstance(nbytes, bool) or not isinstance(nbytes, int):
             raise InvalidArgument(f"{what}: size must be an int, not {type(nbytes).__name__}")
@@ -500,6 +511,7 @@ class Agent:
         )
 
     async def close_region(self, region: Region) -> None:
+        self.engine.check_loop("Region.close")  # before anything changes
         region.closed = True
         if region.name is not None:
             self._named.pop(region.name, None)
@@ -554,6 +566,7 @@ class Agent:
     def loopback(self) -> Peer:
         """A peer that is this agent: ops copy between its own regions."""
         self.check_open("Agent.loopback")
+        self.engine.check_loop("Agent.loopback")
         link = tr.self_link(self._transports)
         assert link is not None  # the loopback transport is always there
         peer = Peer(self, [link], self.id, self.name)
