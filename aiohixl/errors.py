@@ -88,9 +88,9 @@ class ConnectionLost(HixlError):
     errno: int | None = None
 
 
-class ConnectFailed(ConnectionLost, OSError):  # type: ignore[misc]  # errno: OSError's, restored below
+class ConnectFailed(ConnectionLost, OSError):
     """No connection could be made: nothing listens there, the host name does not
-    resolve, the host or network is unreachable (tcp, and the shm memfd socket).
+    resolve, the host or network is unreachable.
 
     An ``OSError`` too, with the system's ``errno`` kept (``ECONNREFUSED``...; for a
     name that does not resolve, the resolver's ``socket.EAI_*`` code, as in
@@ -98,7 +98,7 @@ class ConnectFailed(ConnectionLost, OSError):  # type: ignore[misc]  # errno: OS
     the peer" with ``except ConnectionLost`` keeps working.
     """
 
-    errno = OSError.errno  # type: ignore[assignment]  # ConnectionLost's class-level None would hide it
+    errno = OSError.errno  # ConnectionLost's class-level None would hide OSError's
 
 
 class ConnectTimeout(HixlError, TimeoutError):
