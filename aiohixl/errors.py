@@ -8,6 +8,9 @@
 - ``OutOfBounds`` / ``AccessDenied``: the op was refused before any byte moved.
 - ``TransferTimeout``: the caller stopped waiting; the op itself may still
   complete (bytes may land later).
+- ``NotificationTimeout``: ``Agent.notification(timeout=)`` saw none in time.
+- ``WrongEventLoop``: a call that changes an agent came from another thread or
+  event loop than the one that started it (the contract: ``Agent``'s docstring).
 - Ranks (``aiohixl.init``): ``RankConflict`` (another live process holds the
   rank), ``UnknownRank`` (no such rank in the store within the timeout),
   ``StoreLost`` (the connection to the rendezvous store broke),
