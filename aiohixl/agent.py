@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import errno
 import hmac
 import os
 import secrets
@@ -24,10 +23,10 @@ from ._engine import Engine
 from ._listener import Listener
 from ._native import check, ffi, lib
 from .descriptor import RegionInfo, encode_info
-from .errors import ClosedError, ConnectionLost, ConnectTimeout, InvalidArgument, RegionUnavailable
+from .errors import ClosedError, ConnectFailed, ConnectionLost, ConnectTimeout, InvalidArgument, RegionUnavailable
 from .memkinds import Pinned, pin
 from .memkinds.memfd import allocate as allocate_memfd
-from .memory import Access, Region
+from .memory import Access, Region, parse_access
 from .notifications import Inbox, Notification
 from .peer import Peer
 from .remote import RemoteRegion
@@ -42,6 +41,14 @@ class Agent:
 
     Use it as ``async with Agent() as agent:`` (or ``await agent.start()`` and
     ``await agent.aclose()``).
+
+    An agent belongs to the event loop that starts it (or first uses it): from
+    then on every call that changes it or moves data (register/allocate and their
+    _async forms, loopback, connect, notification, ops, Region.close, aclose)
+    raises WrongEventLoop from another thread or loop. Safe from any thread: the
+    read-only ``stats()``, ``outstanding``, ``notifications_dropped``, ``address``,
+    ``closed``, and a region's ``memory``. Before it is started, regions may be
+    registered from plain (non-async) code.
 
     ``listen="host:port"`` makes peers able to connect (port 0 picks a free
     port; ``agent.address`` tells which). ``token`` is the shared secret both
@@ -128,8 +135,9 @@ class Agent:
         self._listener: Listener | None = None
         self.engine = Engine(max_inflight, copy_threads)
         self._threads = copy_threads
-        self._names: collections.OrderedDict[int, str] = collections.OrderedDict()  # senders, by session key
-        self._inbox = Inbox(self.engine, max_notifications, self._sender_name)
+        # senders' (name, agent id), by session key
+        self._names: collections.OrderedDict[int, tuple[str, bytes]] = collections.OrderedDict()
+        self._inbox = Inbox(self.engine, max_notifications, self._sender)
         self.engine.on_wake = self._inbox.pull
         self._transports = tr.make(
             self,
@@ -150,7 +158,6 @@ class Agent:
         self._peers: set[Peer] = set()
         self._next_region = 1
         self._closed = False
-        self._stats_buf = ffi.new("hx_stats *")
         _OPEN.add(self)
 
     # ---- lifetime ----
@@ -239,11 +246,11 @@ class Agent:
     async def notes_room(self) -> None:
         await self._inbox.room()
 
-    def _sender_name(self, source: int) -> str | None:
-        return self.name if source == 0 else self._names.get(source)
+    def _sender(self, source: int) -> tuple[str, bytes] | tuple[None, None]:
+        return (self.name, self.id) if source == 0 else self._names.get(source, (None, None))
 
-    def _on_session(self, sid: bytes, name: str) -> None:
-        self._names[int.from_bytes(sid[:8], "little")] = name
+    def _on_session(self, sid: bytes, name: str, agent_id: bytes) -> None:
+        self._names[int.from_bytes(sid[:8], "little")] = (name, agent_id)
         while len(self._names) > 4096:  # names of ended sessions go, oldest first
             self._names.popitem(last=False)
 
@@ -261,6 +268,7 @@ class Agent:
 
     def stats(self) -> dict[str, Any]:
         """Counters kept natively since the agent was made, read in one call (cheap: no lock).
+        Safe from any thread (a metrics exporter's), unlike the methods that change the agent.
 
         ``{"transports": {name: {"ops", "bytes", "errors"}}, "notifications": {"received",
         "sent", "dropped"}, "outstanding": n}``: ops (and their bytes) posted through this
@@ -269,7 +277,7 @@ class Agent:
         now. Checks done in Python before an op reaches the native layer are not counted.
         """
         self.check_open("Agent.stats")
-        out = self._stats_buf
+        out = ffi.new("hx_stats *")  # one per call: callers on two threads never share it
         lib.hx_agent_stats(self.engine.native, out)
         transports = {}
         for i, name in enumerate(_STAT_TRANSPORTS):
@@ -298,6 +306,7 @@ class Agent:
         """
         if self._closed:
             return
+        self.engine.check_loop("Agent.aclose")
         self._closed = True
         self._inbox.close()
         if self._listener is not None:
@@ -358,10 +367,11 @@ class Agent:
 
     # ---- memory ----
 
-    def register(self, obj: Any, *, access: Access | None = None, name: str | None = None) -> Region:
+    def register(self, obj: Any, *, access: Access | str | None = None, name: str | None = None) -> Region:
         """Register a C-contiguous buffer (bytearray, memoryview, mmap, numpy) or torch CPU tensor.
 
-        ``access`` says what peers may do; by default nothing (``Access.NONE``):
+        ``access`` says what peers may do (``Access`` flags, or words: "remote_write" or
+        "w", "remote_read" or "r", "rw", "none", joined by "|"); by default nothing (``Access.NONE``):
         memory registered as the local end of ops. Give ``REMOTE_WRITE`` and/or
         ``REMOTE_READ`` for memory peers should reach; they reach it by its
         ``name`` (published) or by its descriptor, never by guessing. The
@@ -369,18 +379,18 @@ class Agent:
         closed, and its pages are faulted in now (``register_async`` does that
         off the event loop).
         """
-        pinned, rights = self._pin(obj, access, name)
+        pinned, rights = self._pin(obj, access, name, "Agent.register")
         self._prefault(pinned)
         return self._add_region(pinned, rights, name, "Agent.register")
 
-    async def register_async(self, obj: Any, *, access: Access | None = None, name: str | None = None) -> Region:
+    async def register_async(self, obj: Any, *, access: Access | str | None = None, name: str | None = None) -> Region:
         """``register()``, its pages faulted in on a worker thread: the event loop runs
         meanwhile, and the region exists (peers find it) once they all are."""
-        pinned, rights = self._pin(obj, access, name)
+        pinned, rights = self._pin(obj, access, name, "Agent.register_async")
         await self._prefault_off_loop(pinned, "Agent.register_async")
         return self._add_region(pinned, rights, name, "Agent.register_async")
 
-    def allocate(self, nbytes: int, *, access: Access | None = None, name: str | None = None) -> Region:
+    def allocate(self, nbytes: int, *, access: Access | str | None = None, name: str | None = None) -> Region:
         """Allocate ``nbytes`` of zero-filled, page-aligned memory (memfd-backed) and register it.
 
         ``access`` defaults to REMOTE_READ|REMOTE_WRITE: allocated memory is made
@@ -393,32 +403,38 @@ class Agent:
         self._prefault(pinned)
         return self._add_region(pinned, rights, name, what)
 
-    async def allocate_async(self, nbytes: int, *, access: Access | None = None, name: str | None = None) -> Region:
+    async def allocate_async(
+        self, nbytes: int, *, access: Access | str | None = None, name: str | None = None
+    ) -> Region:
         """``allocate()``, its pages faulted in on a worker thread: the event loop runs
         meanwhile, and the region exists (peers find it) once they all are."""
         pinned, rights, what = self._memfd(nbytes, access, name, "Agent.allocate_async")
         await self._prefault_off_loop(pinned, what)
         return self._add_region(pinned, rights, name, what)
 
-    def _pin(self, obj: Any, access: Access | None, name: str | None) -> tuple[Pinned, Access]:
-        self.check_open("Agent.register")
-        _check_region_args(access, name, "Agent.register")
-        pinned = pin(obj, "Agent.register")
+    def _pin(self, obj: Any, access: Access | str | None, name: str | None, call: str) -> tuple[Pinned, Access]:
+        self.check_open(call)
+        self.engine.check_loop(call)
+        access = _check_region_args(access, name, call)
+        pinned = pin(obj, call)
         if access is None:
             access = Access.NONE  # nothing a peer can do unless asked for
         if pinned.readonly and access & Access.REMOTE_WRITE:
             pinned.release()
-            raise InvalidArgument(f"Agent.register: {type(obj).__name__} is read-only but access asks for REMOTE_WRITE")
+            raise InvalidArgument(f"{call}: {type(obj).__name__} is read-only but access asks for REMOTE_WRITE")
         return pinned, Access(access)
 
-    def _memfd(self, nbytes: int, access: Access | None, name: str | None, call: str) -> tuple[Pinned, Access, str]:
+    def _memfd(
+        self, nbytes: int, access: Access | str | None, name: str | None, call: str
+    ) -> tuple[Pinned, Access, str]:
         self.check_open(call)
+        self.engine.check_loop(call)
         what = f"{call}({nbytes!r})"
         if isinstance(nbytes, bool) or not isinstance(nbytes, int):
             raise InvalidArgument(f"{what}: size must be an int, not {type(nbytes).__name__}")
         if nbytes < 0:
             raise InvalidArgument(f"{what}: size must be >= 0")
-        _check_region_args(access, name, what)
+        access = _check_region_args(access, name, what)
         try:
             pinned = allocate_memfd(nbytes, name)
         except OSError as exc:
@@ -495,6 +511,7 @@ class Agent:
         )
 
     async def close_region(self, region: Region) -> None:
+        self.engine.check_loop("Region.close")  # before anything changes
         region.closed = True
         if region.name is not None:
             self._named.pop(region.name, None)
@@ -549,6 +566,7 @@ class Agent:
     def loopback(self) -> Peer:
         """A peer that is this agent: ops copy between its own regions."""
         self.check_open("Agent.loopback")
+        self.engine.check_loop("Agent.loopback")
         link = tr.self_link(self._transports)
         assert link is not None  # the loopback transport is always there
         peer = Peer(self, [link], self.id, self.name)
@@ -568,9 +586,12 @@ class Agent:
     ) -> Peer:
         """Connect to the agent listening at ``address`` ("host:port") and authenticate.
 
-        Raises AuthenticationError when the tokens differ, ConnectionLost when
-        nothing answers, ConnectTimeout when the handshake takes longer than
-        ``timeout`` seconds, InvalidArgument when no transport is usable by both.
+        Raises ConnectFailed (an OSError, errno kept) when no connection can be made
+        (refused, the host name does not resolve, unreachable), ConnectionLost when
+        the connection breaks during the handshake, AuthenticationError when the
+        tokens differ, ProtocolError when what answers is not an aiohixl listener,
+        ConnectTimeout when the handshake takes longer than ``timeout`` seconds,
+        InvalidArgument when no transport is usable by both.
         """
         what = f"Agent.connect({address!r})"
         self.check_open("Agent.connect")
@@ -584,7 +605,7 @@ class Agent:
         ch: c.Channel | None = None
         try:
             with anyio.fail_after(timeout):
-                ch = c.Channel(await anyio.connect_tcp(host, port))
+                ch = c.Channel(await c.connect_tcp(host, port, what))
                 info = await c.client_handshake(ch, key, w.ROLE_CONTROL, bytes(16), me, what)
                 assert info is not None
                 usable = [t for n, t in self._transports.items() if n in wanted and t.usable_with(info)]
@@ -608,9 +629,14 @@ class Agent:
         except TimeoutError:
             await _abandon(ch, links)
             raise ConnectTimeout(f"{what}: no answer within {timeout} s") from None
+        except ConnectFailed:
+            await _abandon(ch, links)
+            raise
         except c.STREAM_ERRORS as exc:
             await _abandon(ch, links)
-            raise _connect_error(exc, what) from None
+            raise ConnectionLost(
+                f"{what}: the connection broke during the handshake ({exc or type(exc).__name__})"
+            ) from None
         except BaseException:
             await _abandon(ch, links)
             raise
@@ -644,32 +670,15 @@ def _close_open_agents() -> None:
         agent._close_abandoned()
 
 
-def _connect_error(exc: BaseException, what: str) -> ConnectionLost:
-    """ConnectionLost for a failed connect, saying why in words and keeping the errno.
-
-    anyio says "All connection attempts failed" and keeps the real error as the cause.
-    """
-    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
-    errno_ = getattr(cause, "errno", None)
-    if isinstance(cause, ConnectionRefusedError) or errno_ == errno.ECONNREFUSED:
-        err = ConnectionLost(f"{what}: connection refused (nothing listens there)")
-    elif isinstance(cause, OSError) and cause.strerror:
-        err = ConnectionLost(f"{what}: {cause.strerror}")
-    else:
-        err = ConnectionLost(f"{what}: {exc or type(exc).__name__}")
-    err.errno = errno_
-    return err
-
-
-def _check_region_args(access: Any, name: Any, what: str) -> None:
-    """``access`` and ``name`` of register()/allocate(), checked before anything is pinned."""
-    if access is not None:
-        if isinstance(access, bool) or not isinstance(access, int):
-            raise InvalidArgument(f"{what}: access must be Access flags, not {type(access).__name__}")
-        if int(access) & ~int(Access.REMOTE_READ | Access.REMOTE_WRITE) or int(access) < 0:
-            raise InvalidArgument(f"{what}: access={int(access):#x} has bits outside REMOTE_READ|REMOTE_WRITE")
+def _check_region_args(access: Any, name: Any, what: str) -> Access | None:
+    """``access`` (flags or words, as parse_access takes) and ``name`` of register()/allocate(),
+    checked before anything is pinned; the access as flags."""
+    access = parse_access(access, what)
+    if access is not None and (int(access) & ~int(Access.REMOTE_READ | Access.REMOTE_WRITE) or int(access) < 0):
+        raise InvalidArgument(f"{what}: access={int(access):#x} has bits outside REMOTE_READ|REMOTE_WRITE")
     if name is not None and not isinstance(name, str):
         raise InvalidArgument(f"{what}: name must be a str, not {type(name).__name__}")
+    return access
 
 
 def _transport_names(transports: str | tuple[str, ...], what: str) -> tuple[str, ...]:

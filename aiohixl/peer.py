@@ -383,7 +383,7 @@ class Peer:
         """Send ``data`` (up to 4 KiB) alone: the target's ``agent.notification()`` yields it
         after every op issued earlier on this peer has landed. Returns once it is queued there."""
         what = "Peer.notify"
-        data = note_bytes(data, what)
+        data = note_bytes(data, what, "data")
         self._check_open(what)
         engine = self.agent.engine
         if engine.full:

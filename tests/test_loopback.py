@@ -321,6 +321,53 @@ async def test_idle_agent_does_not_spin():
     assert used < 0.02 * 2.0, f"idle agent used {used:.3f} s of CPU in 2 s"
 
 
+async def test_calls_that_change_the_agent_are_refused_from_another_thread(agent):
+    """The contract (Agent's docstring): what changes an agent raises WrongEventLoop off its
+    loop, before anything is made; the read-only queries answer from any thread."""
+    region = agent.allocate(4096, name="kv")
+    agent.loopback()  # bound to this loop (the fixture started it)
+    calls = {
+        "Agent.allocate": lambda: agent.allocate(64),
+        "Agent.register": lambda: agent.register(bytearray(64)),
+        "Agent.allocate_async": lambda: asyncio.run(agent.allocate_async(64)),
+        "Agent.register_async": lambda: asyncio.run(agent.register_async(bytearray(64))),
+        "Agent.loopback": agent.loopback,
+        "Agent.notification": lambda: asyncio.run(agent.notification(timeout=0)),
+        "Region.close": lambda: asyncio.run(region.close()),
+        "Agent.aclose": lambda: asyncio.run(agent.aclose()),
+    }
+
+    def elsewhere() -> dict:
+        refused = {}
+        for name, call in calls.items():
+            try:
+                call()
+            except aiohixl.WrongEventLoop as exc:
+                refused[name] = name in str(exc)
+        return refused
+
+    before = len(list(agent.live_regions()))
+    assert await asyncio.to_thread(elsewhere) == dict.fromkeys(calls, True)
+    assert len(list(agent.live_regions())) == before and not agent.closed and not region.closed
+    stats, outstanding, view = await asyncio.to_thread(lambda: (agent.stats(), agent.outstanding, region.memory))
+    assert stats["outstanding"] == outstanding == 0 and len(view) == 4096
+
+
+def test_an_agent_not_started_yet_is_set_up_from_plain_code_then_belongs_to_its_loop():
+    agent = aiohixl.Agent("plain")
+    data = random_bytes(4096)
+    src = agent.register(data)  # no loop runs here
+    dst = agent.allocate(4096, name="dst")
+
+    async def main() -> bytes:
+        async with agent:
+            peer = agent.loopback()
+            await peer.put(await peer.region("dst"), src)
+            return bytes(dst.memory)
+
+    assert asyncio.run(main()) == data.tobytes()
+
+
 def test_use_from_a_later_loop_of_the_same_thread_is_refused():
     """The fast path knows its loop by the thread running it: a loop of the same thread
     run after the agent's own stopped is another loop, refused like one of another thread."""

@@ -222,3 +222,19 @@ async def test_notification_on_a_closed_agent_and_iteration_ends():
         await waiting
     with pytest.raises(aiohixl.ClosedError, match="Agent.notification"):
         await agent.notification()
+
+
+@not_in_vm
+async def test_two_senders_of_one_name_are_told_apart_by_their_id():
+    """``Notification.peer`` is the sender's name; ``peer_id`` its ``Agent.id``, unique."""
+    async with aiohixl.Agent("target", listen="127.0.0.1:0", token=TOKEN) as target:
+        async with aiohixl.Agent("twin", token=TOKEN) as one, aiohixl.Agent("twin", token=TOKEN) as two:
+            for sender in (one, two):
+                peer = await sender.connect(target.address)
+                await peer.notify(sender.id)
+                note = await target.notification(timeout=30)
+                assert (note.data, note.peer, note.peer_id) == (sender.id, "twin", sender.id)
+                assert sender.id[:4].hex() in repr(note)
+            await target.loopback().notify(b"self")
+            note = await target.notification(timeout=30)
+            assert (note.peer, note.peer_id) == ("target", target.id)

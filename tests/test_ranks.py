@@ -249,6 +249,19 @@ async def test_unknown_rank_and_unknown_region_name_what_the_store_holds(store):
             await ctx.wait_ranks(3, timeout=0.3)
 
 
+async def test_get_remote_mem_of_nbytes_is_a_window_of_nbytes(store):
+    async with await init(store, 0) as ctx, await init(store, 4, "decode") as other:
+        kv = other.allocate_registered(1 << 16, name="kv")
+        remote = await ctx.get_remote_mem(4, 4096, timeout=10)
+        assert remote.nbytes == 4096
+        src = ctx.register(pattern(4096, 2))
+        await ctx.put(remote, src)  # the whole 64 KiB region would be a LengthMismatch
+        assert bytes(kv.memory[:4096]) == pattern(4096, 2).tobytes() and not any(kv.memory[4096:])
+        assert (await ctx.get_remote_mem(4, 1 << 16)).nbytes == (await ctx.get_remote_mem(4)).nbytes == 1 << 16
+        with pytest.raises(aiohixl.InvalidArgument, match="nbytes must be an int"):
+            await ctx.get_remote_mem(4, -1)
+
+
 async def test_an_unreachable_store_is_a_connect_timeout_naming_it(store):
     url = f"tcp://127.0.0.1:{free_port()}" if store["kind"] == "tcp" else f"redis://127.0.0.1:{free_port()}/0"
     t0 = time.monotonic()
