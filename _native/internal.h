@@ -1,7 +1,6 @@
 /* What the native modules share with each other and not with Python. */
 #ifndef AIOHIXL_INTERNAL_H
 #define AIOHIXL_INTERNAL_H
-#define _GNU_SOURCE
 #include "hixl.h"
 #include <pthread.h>
 #include <stdatomic.h>
@@ -113,7 +112,7 @@ typedef struct hx_transport {
 
 /* The slots of a->state and the order of hx_transports[] (and of hx_stats). */
 enum { HX_TRANSPORT_LOOPBACK, HX_TRANSPORT_SHM, HX_TRANSPORT_TCP, HX_TRANSPORT_VERBS, HX_NTRANSPORTS };
-_Static_assert(HX_NTRANSPORTS == HX_STATS_TRANSPORTS, "hx_stats has one slot per transport");
+_Static_assert((int)HX_NTRANSPORTS == (int)HX_STATS_TRANSPORTS, "hx_stats has one slot per transport");
 
 /* The agent's counters (core/stats.c): relaxed atomics, never a lock. */
 typedef struct hx_counters {
