@@ -208,7 +208,7 @@ void hx_pool_fail_peer(hx_agent *a, uint64_t peer_id, int status);
  * else on the pool. */
 int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t op_id, const hx_sge *sges,
                  uint32_t n);
-/* core/copy.c: one copy; the remote end is in process pid when pid != 0. */
+/* core/cma.c: one copy; the remote end is in process pid when pid != 0. */
 int hx_copy_run(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len);
 
 /* core/stats.c: an op of transport t that failed (refused or completed with
@@ -219,5 +219,16 @@ void hx_stat_post(hx_peer *p, const hx_sge *sges, uint32_t n, int rc);
 
 /* core/peer.c */
 void hx_peer_init(hx_peer *p, hx_agent *a, const hx_peer_ops *ops);
+
+/* core/faults.c: whether this pass through fault site `site` (HX_FAULT_*)
+ * is to fail (hx_test_fail_next). One relaxed load while nothing is armed. */
+extern atomic_int hx_faults[HX_NFAULTS];
+static inline bool hx_fault(int site)
+{
+    int n = atomic_load_explicit(&hx_faults[site], memory_order_relaxed);
+    while (n > 0 && !atomic_compare_exchange_weak(&hx_faults[site], &n, n - 1))
+        ;
+    return n > 0;
+}
 
 #endif
