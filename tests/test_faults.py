@@ -6,6 +6,7 @@ agents are made in the test, a tcp target is another process.
 """
 
 import asyncio
+import errno
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from aiohixl import Access
 from aiohixl._native import lib
 
 from .conftest import random_bytes
+from .harness import TOKEN, Target
 
 DEADLINE = 20.0  # far past what any op here takes; reaching it means a hang
 
@@ -61,3 +63,33 @@ async def test_the_same_copy_without_the_fault_lands(agent):
     peer = agent.loopback()
     await asyncio.wait_for(peer.put(await peer.region("dst"), src), DEADLINE)
     assert np.array_equal(dst_arr, src_arr)
+
+
+async def test_a_failed_tcp_io_thread_fails_ops_and_refuses_new_connections(fail_next):
+    """When the tcp I/O thread's epoll_wait fails it stops for good: the ops of its
+    connections fail, and a new connection is refused with the system's error (OSError)
+    instead of being handed to a thread that no longer runs (whose ops would never end)."""
+    target = await Target.start()
+    try:
+        await target.alloc("kv", 1 << 20)
+        async with aiohixl.Agent("initiator", token=TOKEN, transports=("tcp",)) as agent:
+            src = agent.register(random_bytes(4096, seed=5))
+            peer = await agent.connect(target.address)
+            kv = await peer.region("kv")
+            fail_next(lib.HX_FAULT_EPOLL_WAIT)
+            # The I/O thread waits again once it has read this put's answer: there it fails.
+            try:
+                await asyncio.wait_for(peer.put(kv[:4096], src), DEADLINE)
+            except (aiohixl.HixlError, OSError):
+                pass  # the thread may fail before it reads the answer
+            # Past that wait nothing reads the connection: a put fails, none hangs.
+            with pytest.raises((aiohixl.HixlError, OSError)) as failed:
+                await asyncio.wait_for(peer.put(kv[:4096], src), DEADLINE)
+            assert not isinstance(failed.value, TimeoutError), "hung"
+            with pytest.raises((aiohixl.HixlError, OSError)) as refused:
+                again = await asyncio.wait_for(agent.connect(target.address), DEADLINE)
+                await asyncio.wait_for(again.put(kv[:4096], src), DEADLINE)
+            assert not isinstance(refused.value, TimeoutError), "hung"
+            assert refused.value.errno == errno.EBADF, refused.value  # the I/O thread's own error
+    finally:
+        await target.aclose()
