@@ -113,6 +113,11 @@ typedef struct hx_transport {
 /* The slots of a->state and the order of hx_transports[] (and of hx_stats). */
 enum { HX_TRANSPORT_LOOPBACK, HX_TRANSPORT_SHM, HX_TRANSPORT_TCP, HX_TRANSPORT_VERBS, HX_NTRANSPORTS };
 _Static_assert((int)HX_NTRANSPORTS == (int)HX_STATS_TRANSPORTS, "hx_stats has one slot per transport");
+/* The cdef spells array sizes as numbers (cffi reads no constant there): they
+ * must be the constants'. */
+_Static_assert(sizeof(((hx_stats *)0)->transports) / sizeof(hx_transport_stats) == HX_STATS_TRANSPORTS,
+               "hx_stats.transports has HX_STATS_TRANSPORTS slots");
+_Static_assert(sizeof(((hx_note *)0)->data) == HX_NOTE_MAX, "hx_note.data holds HX_NOTE_MAX bytes");
 
 /* The agent's counters (core/stats.c): relaxed atomics, never a lock. */
 typedef struct hx_counters {
@@ -183,8 +188,9 @@ void hx_complete(hx_agent *a, uint64_t op_id, int status);
 void hx_wake(hx_agent *a);
 
 /* core/notes.c. push: HX_E_BUSY when the queue is full; the caller holds the
- * sender back until note_space. dropped: counts a message that could not be
- * held back (a verbs immediate when the queue is full). */
+ * sender back until note_space. dropped: counts a message that arrived and
+ * was never queued (verbs: out of memory, or its session ended while it was
+ * held); a full queue never drops one. */
 void hx_notes_init(hx_agent *a);
 void hx_notes_free(hx_agent *a);
 int hx_note_push(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len, uint32_t imm,

@@ -116,6 +116,17 @@ def test_native_files_have_no_cycles():
     assert cycles(graph) == []
 
 
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm")
+def test_the_module_exports_its_init_alone():
+    """Built with hidden visibility: the hx_* functions the files share are not the module's ABI."""
+    from aiohixl import _hixl
+
+    out = subprocess.run(["nm", "-D", "--defined-only", _hixl.__file__], check=True, capture_output=True, text=True)
+    names = {line.split()[-1] for line in out.stdout.splitlines() if line.strip()}
+    assert "PyInit__hixl" in names
+    assert not {n for n in names if n.startswith(("hx_", "tcp_", "vb_", "cma_"))}
+
+
 if __name__ == "__main__":
     g = file_graph()
     for src in sorted(g):
