@@ -7,10 +7,14 @@ ops table) depends on that file. The graph must have no strongly connected compo
 more than one file. Data symbols (the transport table ``hx_transports[]`` naming each
 transport's hooks) are the one sanctioned way for core to reach a transport and are not
 edges. ``python tests/test_architecture.py`` prints the graph and the cycles.
+
+The same holds for the Python package: no modules of ``aiohixl`` importing each other in a
+circle (imports inside functions count).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import shutil
@@ -102,6 +106,31 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def module_graph(package: str = os.path.join(ROOT, "aiohixl")) -> dict[str, set[str]]:
+    """module -> the package's modules it imports (anywhere in its text)."""
+    paths = {}
+    for dirpath, _, files in os.walk(package):
+        for f in files:
+            if f.endswith(".py"):
+                parts = os.path.relpath(os.path.join(dirpath, f[:-3]), os.path.dirname(package)).split(os.sep)
+                paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = os.path.join(dirpath, f)
+    graph: dict[str, set[str]] = {}
+    for mod, path in paths.items():
+        base = mod.split(".") if path.endswith("__init__.py") else mod.split(".")[:-1]
+        targets: set[str] = set()
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                rel = ".".join(base[: len(base) - node.level + 1] + [node.module or ""]).strip(".")
+                root = rel if node.level else node.module or ""
+                targets |= {root} | {f"{root}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+        graph[mod] = {t for t in targets if t in paths and t not in (mod, "aiohixl")}
+    return graph
+
+
 def test_cycles_are_found():
     """The checker itself: a cycle of three and a self-contained pair are seen; a chain is not."""
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
@@ -113,6 +142,12 @@ def test_cycles_are_found():
 def test_native_files_have_no_cycles():
     graph = file_graph()
     assert len(graph) > 20, sorted(graph)  # every file was compiled and read
+    assert cycles(graph) == []
+
+
+def test_python_modules_have_no_cycles():
+    graph = module_graph()
+    assert len(graph) > 20 and sum(map(len, graph.values())) > 40, graph  # the imports were read
     assert cycles(graph) == []
 
 
@@ -135,4 +170,8 @@ if __name__ == "__main__":
     for scc in found:
         print("cycle:", " <-> ".join(scc))
     print(f"{len(found)} file cycle(s) among {len(g)} files")
-    sys.exit(1 if found else 0)
+    py = cycles(module_graph())
+    for scc in py:
+        print("import cycle:", " <-> ".join(scc))
+    print(f"{len(py)} import cycle(s) among the Python modules")
+    sys.exit(1 if found or py else 0)
