@@ -581,9 +581,12 @@ static void tcp_shutdown(hx_agent *a)
         return;
     pthread_mutex_lock(&t->lock);
     tcp_io *io = t->io;
-    bool join = io && !io->joined; /* a thread that failed has ended, but is joined here too */
+    /* A thread that failed has ended, but is joined here too. stopped is the
+     * thread's own to set (io_exit): until then it frees what Python lets go,
+     * from then on Python does (tcp_peer_destroy), never both at once. */
+    bool join = io && !io->joined;
     if (join)
-        io->joined = io->stopped = true;
+        io->joined = true;
     pthread_mutex_unlock(&t->lock);
     if (!join)
         return;
