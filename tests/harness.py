@@ -118,7 +118,25 @@ class Target(LineProcess):
         return cls(proc, out, first["address"])
 
     async def cmd(self, **kw) -> dict:
-        reply = await self.ask(kw, 600 if os.environ.get("SOFTROCE_GUEST") else 60)
+        reply = await self.ask(kw, self.REPLY_TIMEOUT)
+        assert reply.get("ok"), reply
+        return reply
+
+    REPLY_TIMEOUT = 600 if os.environ.get("SOFTROCE_GUEST") else 60
+
+    async def state(self) -> dict:
+        """What the target is at: ops outstanding, notifications received, library warnings."""
+        return await self.cmd(op="state")
+
+    async def block(self, seconds: float) -> None:
+        """Stop the target's event loop for ``seconds``; returns once it has stopped.
+        ``unblocked()`` then reads the answer it gives when it runs again."""
+        reply = await self.ask({"op": "block", "seconds": seconds}, self.REPLY_TIMEOUT)
+        assert reply.get("blocking"), reply
+
+    async def unblocked(self) -> dict:
+        with anyio.fail_after(self.REPLY_TIMEOUT):
+            reply = json.loads(await self.out.receive_until(b"\n", 1 << 20))
         assert reply.get("ok"), reply
         return reply
 
