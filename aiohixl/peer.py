@@ -362,7 +362,7 @@ class Peer:
             )
             if waiter is not None:
                 return waiter
-        return engine.backend.done  # type: ignore[union-attr]  # attached: loop is set
+        return engine.backend.done_waiter()  # type: ignore[union-attr]  # attached: loop is set
 
     async def put_many(
         self,

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,10 +16,15 @@ def test_info_reports_transports_and_reasons():
     assert "aiohixl 0.1.0" in out
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
     assert " yes " in lines["tcp"] and " yes " in lines["loopback"]
-    if os.listdir("/sys/class/infiniband") if os.path.isdir("/sys/class/infiniband") else []:
-        assert " yes " in lines["verbs"] or "port" in lines["verbs"]  # a device: used, or why its port isn't
+    devices = os.listdir("/sys/class/infiniband") if os.path.isdir("/sys/class/infiniband") else []
+    verbs = lines["verbs"]
+    unbuilt = ("rdma-core headers", "libibverbs not installed")  # nothing to ask a device with
+    if " yes " in verbs:  # the device, port and GID it would use
+        assert re.search(r" yes +(\S+) port \d+ GID\[\d+\] ", verbs) and verbs.split()[2] in devices, verbs
+    elif devices:  # why none of them is used
+        assert " no " in verbs and any(why in verbs for why in (*unbuilt, "no ACTIVE port")), verbs
     else:
-        assert " no " in lines["verbs"] and ("libibverbs" in lines["verbs"] or "device" in lines["verbs"])
+        assert " no " in verbs and any(why in verbs for why in (*unbuilt, "no RDMA device")), verbs
 
 
 def test_bench_refuses_unknown_transports_before_running_anything():

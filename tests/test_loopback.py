@@ -414,23 +414,3 @@ async def test_closing_a_region_waits_for_its_ops_in_flight():
         assert put.done() and put.exception() is None
         assert agent.engine.oldest_op(lambda op: src in op[1]) is None
         assert np.all(np.frombuffer(dst.memory, dtype=np.uint8) == 7)
-
-
-async def test_ops_that_end_inline_share_one_done_future(agent):
-    """What the README says: small same-host ops return one done Future, so gather gives a
-    result per op while as_completed sees one future; asyncio.wait takes ops as Tasks only."""
-    src = agent.register(random_bytes(4 << 20, seed=9))
-    agent.register(np.zeros(4 << 20, dtype=np.uint8), name="d", access=aiohixl.Access.REMOTE_WRITE)
-    peer = agent.loopback()
-    dst = await peer.region("d")
-    small = [peer.put(dst[i * 4096 : (i + 1) * 4096], src[i * 4096 : (i + 1) * 4096]) for i in range(3)]
-    assert small[0].done() and small[0] is small[1] is small[2]
-    assert await asyncio.gather(*small) == [None, None, None]
-    assert [await f for f in asyncio.as_completed(small)] == [None]  # the one future, once
-    with pytest.raises(TypeError, match="coroutines"):  # it is a coroutine too, for create_task
-        await asyncio.wait(small)
-    done, _ = await asyncio.wait([asyncio.create_task(op) for op in small])
-    assert len(done) == 3
-    large = peer.put(dst[:], src[:])  # 4 MiB: on the copy threads, its own future
-    assert large is not small[0]
-    await large
