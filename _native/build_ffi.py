@@ -14,12 +14,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Every .c of every folder: core/ (agent, registry, ring, pool, copies, the
 # transport table) and one folder per transport. Headers: hixl.h (the
 # interface), internal.h (shared by all), <transport>/<transport>.h (private).
+# Not bench/ (the bench's own module) nor python/ (aiohixl._span, setup.py).
 SOURCES = sorted(
-    s for s in glob.glob(os.path.join(HERE, "*", "*.c")) if os.path.basename(os.path.dirname(s)) != "bench"
+    s
+    for s in glob.glob(os.path.join(HERE, "*", "*.c"))
+    if os.path.basename(os.path.dirname(s)) not in ("bench", "python")
 )
 # With rdma-core's headers the verbs transport is compiled in; libibverbs
 # itself is only dlopen()ed when an agent opens a device.
 HAVE_VERBS = os.path.exists("/usr/include/infiniband/verbs.h") and os.environ.get("AIOHIXL_NO_VERBS") != "1"
+# _GNU_SOURCE for every file from here, never from a header (where it comes too
+# late for a file that includes a system header first).
+DEFINE_MACROS = [("_GNU_SOURCE", None)] + ([("HX_HAVE_VERBS", "1")] if HAVE_VERBS else [])
+INCLUDE_DIRS = [os.path.relpath(HERE)]
+# Portable code only: the Soft-RoCE VM and users' CPUs may lack AVX-512.
+# Hidden visibility: the module exports PyInit__hixl alone (cffi marks it),
+# not the hx_* symbols its files share with each other.
+COMPILE_ARGS = ["-Wall", "-Wextra", "-std=gnu11", "-fvisibility=hidden"]
 
 
 def _cdef() -> str:
@@ -41,12 +52,10 @@ ffibuilder.set_source(
     "aiohixl._hixl",
     '#include "hixl.h"',
     sources=[os.path.relpath(s) for s in SOURCES],
-    include_dirs=[os.path.relpath(HERE)],
-    # Portable code only: the Soft-RoCE VM and users' CPUs may lack AVX-512.
-    extra_compile_args=["-O1" if SANITIZE else "-O2", "-Wall", "-Wextra", "-std=gnu11"]
-    + (SANITIZE_FLAGS if SANITIZE else []),
+    include_dirs=INCLUDE_DIRS,
+    extra_compile_args=["-O1" if SANITIZE else "-O2"] + COMPILE_ARGS + (SANITIZE_FLAGS if SANITIZE else []),
     extra_link_args=SANITIZE_FLAGS if SANITIZE else [],
-    define_macros=[("HX_HAVE_VERBS", "1")] if HAVE_VERBS else [],
+    define_macros=DEFINE_MACROS,
     libraries=["pthread", "dl"],
 )
 

@@ -204,6 +204,13 @@ typedef struct {
 void hx_agent_stats(hx_agent *a, hx_stats *out);
 /* "loopback", "shm", "tcp", "verbs" for t in [0, HX_STATS_TRANSPORTS); NULL past it. */
 const char *hx_transport_name(int t);
+
+/* Tests only: the next `count` passes through a fault site fail as the system
+ * call there could (0 disarms). Process-wide. COPY_JOB: the heap copy of the
+ * bookkeeping of a copy for the pool (out of memory); EPOLL_WAIT: the tcp I/O
+ * thread's wait (EBADF). */
+enum { HX_FAULT_COPY_JOB = 0, HX_FAULT_EPOLL_WAIT = 1, HX_NFAULTS = 2 };
+void hx_test_fail_next(int site, int count);
 /* CDEF-END */
 
 #endif

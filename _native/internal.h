@@ -1,7 +1,6 @@
 /* What the native modules share with each other and not with Python. */
 #ifndef AIOHIXL_INTERNAL_H
 #define AIOHIXL_INTERNAL_H
-#define _GNU_SOURCE
 #include "hixl.h"
 #include <pthread.h>
 #include <stdatomic.h>
@@ -113,7 +112,12 @@ typedef struct hx_transport {
 
 /* The slots of a->state and the order of hx_transports[] (and of hx_stats). */
 enum { HX_TRANSPORT_LOOPBACK, HX_TRANSPORT_SHM, HX_TRANSPORT_TCP, HX_TRANSPORT_VERBS, HX_NTRANSPORTS };
-_Static_assert(HX_NTRANSPORTS == HX_STATS_TRANSPORTS, "hx_stats has one slot per transport");
+_Static_assert((int)HX_NTRANSPORTS == (int)HX_STATS_TRANSPORTS, "hx_stats has one slot per transport");
+/* The cdef spells array sizes as numbers (cffi reads no constant there): they
+ * must be the constants'. */
+_Static_assert(sizeof(((hx_stats *)0)->transports) / sizeof(hx_transport_stats) == HX_STATS_TRANSPORTS,
+               "hx_stats.transports has HX_STATS_TRANSPORTS slots");
+_Static_assert(sizeof(((hx_note *)0)->data) == HX_NOTE_MAX, "hx_note.data holds HX_NOTE_MAX bytes");
 
 /* The agent's counters (core/stats.c): relaxed atomics, never a lock. */
 typedef struct hx_counters {
@@ -184,8 +188,9 @@ void hx_complete(hx_agent *a, uint64_t op_id, int status);
 void hx_wake(hx_agent *a);
 
 /* core/notes.c. push: HX_E_BUSY when the queue is full; the caller holds the
- * sender back until note_space. dropped: counts a message that could not be
- * held back (a verbs immediate when the queue is full). */
+ * sender back until note_space. dropped: counts a message that arrived and
+ * was never queued (verbs: out of memory, or its session ended while it was
+ * held); a full queue never drops one. */
 void hx_notes_init(hx_agent *a);
 void hx_notes_free(hx_agent *a);
 int hx_note_push(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len, uint32_t imm,
@@ -209,7 +214,7 @@ void hx_pool_fail_peer(hx_agent *a, uint64_t peer_id, int status);
  * else on the pool. */
 int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t op_id, const hx_sge *sges,
                  uint32_t n);
-/* core/copy.c: one copy; the remote end is in process pid when pid != 0. */
+/* core/cma.c: one copy; the remote end is in process pid when pid != 0. */
 int hx_copy_run(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len);
 
 /* core/stats.c: an op of transport t that failed (refused or completed with
@@ -220,5 +225,16 @@ void hx_stat_post(hx_peer *p, const hx_sge *sges, uint32_t n, int rc);
 
 /* core/peer.c */
 void hx_peer_init(hx_peer *p, hx_agent *a, const hx_peer_ops *ops);
+
+/* core/faults.c: whether this pass through fault site `site` (HX_FAULT_*)
+ * is to fail (hx_test_fail_next). One relaxed load while nothing is armed. */
+extern atomic_int hx_faults[HX_NFAULTS];
+static inline bool hx_fault(int site)
+{
+    int n = atomic_load_explicit(&hx_faults[site], memory_order_relaxed);
+    while (n > 0 && !atomic_compare_exchange_weak(&hx_faults[site], &n, n - 1))
+        ;
+    return n > 0;
+}
 
 #endif

@@ -43,9 +43,9 @@ def _store(listen: str, token: str | None) -> int:
 
     try:
         host, port = c.parse_address(listen, "aiohixl store --listen")
-        server = StoreServer(host, port, c.resolve_token(token, "aiohixl store"))
+        server = StoreServer(host, port, c.resolve_token(token, "aiohixl store", "--token"))
     except InvalidArgument as exc:
-        print(f"aiohixl store: {exc}", file=sys.stderr)
+        print(exc, file=sys.stderr)  # it names "aiohixl store" already
         return 2
 
     async def run() -> None:

@@ -27,6 +27,14 @@ class Agent:
     Use it as ``async with Agent() as agent:`` (or ``await agent.start()`` and
     ``await agent.aclose()``).
 
+    An agent belongs to the event loop that starts it (or first uses it): from
+    then on every call that changes it or moves data (register/allocate and their
+    _async forms, loopback, connect, notification, ops, Region.close, aclose)
+    raises WrongEventLoop from another thread or loop. Safe from any thread: the
+    read-only ``stats()``, ``outstanding``, ``notifications_dropped``, ``address``,
+    ``closed``, and a region's ``memory``. Before it is started, regions may be
+    registered from plain (non-async) code.
+
     ``listen="host:port"`` makes peers able to connect (port 0 picks a free
     port; ``agent.address`` tells which). ``token`` is the shared secret both
     sides of a connection prove they hold (default: ``AIOHIXL_TOKEN``).
@@ -191,6 +199,7 @@ class Agent:
 
     def stats(self) -> dict[str, Any]:
         """Counters kept natively since the agent was made, read in one call (cheap: no lock).
+        Safe from any thread (a metrics exporter's), unlike the methods that change the agent.
 
         ``{"transports": {name: {"ops", "bytes", "errors"}}, "notifications": {"received",
         "sent", "dropped"}, "outstanding": n}``: ops (and their bytes) posted through this
@@ -224,10 +233,11 @@ class Agent:
 
     # ---- memory ----
 
-    def register(self, obj: Any, *, access: Access | None = None, name: str | None = None) -> Region:
+    def register(self, obj: Any, *, access: Access | str | None = None, name: str | None = None) -> Region:
         """Register a C-contiguous buffer (bytearray, memoryview, mmap, numpy) or torch CPU tensor.
 
-        ``access`` says what peers may do; by default nothing (``Access.NONE``):
+        ``access`` says what peers may do (``Access`` flags, or words: "remote_write" or
+        "w", "remote_read" or "r", "rw", "none", joined by "|"); by default nothing (``Access.NONE``):
         memory registered as the local end of ops. Give ``REMOTE_WRITE`` and/or
         ``REMOTE_READ`` for memory peers should reach; they reach it by its
         ``name`` (published) or by its descriptor, never by guessing. The
@@ -240,7 +250,7 @@ class Agent:
         regions.prefault(pinned)
         return regions.add(pinned, rights, name, "Agent.register")
 
-    async def register_async(self, obj: Any, *, access: Access | None = None, name: str | None = None) -> Region:
+    async def register_async(self, obj: Any, *, access: Access | str | None = None, name: str | None = None) -> Region:
         """``register()``, its pages faulted in on a worker thread: the event loop runs
         meanwhile, and the region exists (peers find it) once they all are."""
         regions = self._core.regions
@@ -248,7 +258,7 @@ class Agent:
         await regions.prefault_off_loop(pinned, "Agent.register_async")
         return regions.add(pinned, rights, name, "Agent.register_async")
 
-    def allocate(self, nbytes: int, *, access: Access | None = None, name: str | None = None) -> Region:
+    def allocate(self, nbytes: int, *, access: Access | str | None = None, name: str | None = None) -> Region:
         """Allocate ``nbytes`` of zero-filled, page-aligned memory (memfd-backed) and register it.
 
         ``access`` defaults to REMOTE_READ|REMOTE_WRITE: allocated memory is made
@@ -262,7 +272,9 @@ class Agent:
         regions.prefault(pinned)
         return regions.add(pinned, rights, name, what)
 
-    async def allocate_async(self, nbytes: int, *, access: Access | None = None, name: str | None = None) -> Region:
+    async def allocate_async(
+        self, nbytes: int, *, access: Access | str | None = None, name: str | None = None
+    ) -> Region:
         """``allocate()``, its pages faulted in on a worker thread: the event loop runs
         meanwhile, and the region exists (peers find it) once they all are."""
         regions = self._core.regions
@@ -276,6 +288,7 @@ class Agent:
         """A peer that is this agent: ops copy between its own regions."""
         core = self._core
         core.check_open("Agent.loopback")
+        core.engine.check_loop("Agent.loopback")
         return Peer.construct(self, core.loopback())
 
     async def connect(
@@ -288,9 +301,12 @@ class Agent:
     ) -> Peer:
         """Connect to the agent listening at ``address`` ("host:port") and authenticate.
 
-        Raises AuthenticationError when the tokens differ, ConnectionLost when
-        nothing answers, ConnectTimeout when the handshake takes longer than
-        ``timeout`` seconds, InvalidArgument when no transport is usable by both.
+        Raises ConnectFailed (an OSError, errno kept) when no connection can be made
+        (refused, the host name does not resolve, unreachable), ConnectionLost when
+        the connection breaks during the handshake, AuthenticationError when the
+        tokens differ, ProtocolError when what answers is not an aiohixl listener,
+        ConnectTimeout when the handshake takes longer than ``timeout`` seconds,
+        InvalidArgument when no transport is usable by both.
         """
         what = f"Agent.connect({address!r})"
         self._core.check_open("Agent.connect")

@@ -2,10 +2,15 @@
 
 - ``ClosedError``: *you* closed the agent, region or peer this call used.
 - ``ConnectionLost``: the *other side* went away (process died, link broke).
+- ``ConnectFailed`` (a ``ConnectionLost`` and an ``OSError``): no connection
+  was made at all (refused, the name does not resolve, unreachable).
 - ``RegionUnavailable``: the target withdrew (closed) the region an op named.
 - ``OutOfBounds`` / ``AccessDenied``: the op was refused before any byte moved.
 - ``TransferTimeout``: the caller stopped waiting; the op itself may still
   complete (bytes may land later).
+- ``NotificationTimeout``: ``Agent.notification(timeout=)`` saw none in time.
+- ``WrongEventLoop``: a call that changes an agent came from another thread or
+  event loop than the one that started it (the contract: ``Agent``'s docstring).
 - Ranks (``aiohixl.init``): ``RankConflict`` (another live process holds the
   rank), ``UnknownRank`` (no such rank in the store within the timeout),
   ``StoreLost`` (the connection to the rendezvous store broke),
@@ -25,6 +30,7 @@ __all__ = [
     "ClosedError",
     "RegionUnavailable",
     "ConnectionLost",
+    "ConnectFailed",
     "ConnectTimeout",
     "AuthenticationError",
     "ProtocolError",
@@ -83,6 +89,19 @@ class ConnectionLost(HixlError):
     """
 
     errno: int | None = None
+
+
+class ConnectFailed(ConnectionLost, OSError):
+    """No connection could be made: nothing listens there, the host name does not
+    resolve, the host or network is unreachable.
+
+    An ``OSError`` too, with the system's ``errno`` kept (``ECONNREFUSED``...; for a
+    name that does not resolve, the resolver's ``socket.EAI_*`` code, as in
+    ``socket.gaierror``), and a ``ConnectionLost``: code that handles "cannot reach
+    the peer" with ``except ConnectionLost`` keeps working.
+    """
+
+    errno = OSError.errno  # ConnectionLost's class-level None would hide OSError's
 
 
 class ConnectTimeout(HixlError, TimeoutError):

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ._construct import NoPublicConstructor
 from ._span import Span, set_fallback
-from .errors import ClosedError, OutOfBounds, UnsupportedMemory
+from .errors import ClosedError, InvalidArgument, OutOfBounds, UnsupportedMemory
 from .memkinds import Pinned
 
-__all__ = ["Access", "Region", "RegionSlice", "slice_range"]
+__all__ = ["Access", "Region", "RegionSlice", "slice_range", "parse_access", "access_names"]
 
 
 class Access(enum.IntFlag):
@@ -20,6 +20,40 @@ class Access(enum.IntFlag):
     NONE = 0
     REMOTE_WRITE = 1
     REMOTE_READ = 2
+
+
+_ACCESS_WORDS = {
+    "remote_write": Access.REMOTE_WRITE,
+    "remote_read": Access.REMOTE_READ,
+    "remote_read_write": Access.REMOTE_READ | Access.REMOTE_WRITE,
+    "none": Access.NONE,
+    "w": Access.REMOTE_WRITE,
+    "r": Access.REMOTE_READ,
+    "rw": Access.REMOTE_READ | Access.REMOTE_WRITE,
+}
+
+
+def parse_access(access: Access | str | None, what: str) -> Access | None:
+    """``Access`` flags (or their int), or words joined by "|": "remote_write" ("w"),
+    "remote_read" ("r"), "remote_read_write" ("rw"), "none"."""
+    if access is None or isinstance(access, Access):
+        return access
+    if isinstance(access, int) and not isinstance(access, bool):
+        return Access(access)
+    if isinstance(access, str):
+        flags = Access.NONE
+        for word in access.replace(",", "|").split("|"):
+            flag = _ACCESS_WORDS.get(word.strip().lower())
+            if flag is None:
+                raise InvalidArgument(f"{what}: access {access!r}: use {sorted(_ACCESS_WORDS)} or Access flags")
+            flags |= flag
+        return flags
+    raise InvalidArgument(f"{what}: access must be Access flags or a string, not {type(access).__name__}")
+
+
+def access_names(access: Access) -> str:
+    """``"REMOTE_WRITE|REMOTE_READ"``, ``"NONE"``: what ``str()`` of a flag says on 3.10 only."""
+    return "|".join(flag.name or "" for flag in (Access.REMOTE_WRITE, Access.REMOTE_READ) if flag in access) or "NONE"
 
 
 class _Labelled(Protocol):
@@ -150,7 +184,7 @@ class Region(Span, metaclass=NoPublicConstructor):
 
     def __repr__(self) -> str:
         state = " closed" if self.closed else ""
-        return f"<Region {self.label()} {self.nbytes} bytes {self.access!s}{state}>"
+        return f"<Region {self.label()} {self.nbytes} bytes {access_names(self.access)}{state}>"
 
 
 class RegionSlice(Span):

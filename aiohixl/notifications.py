@@ -33,27 +33,35 @@ class Notification:
     """A message a peer sent with ``put(notify=)`` or ``notify()``, or a verbs WRITE WITH IMM.
 
     ``data``: the message (``b""`` for an immediate); ``imm``: the verbs immediate, else
-    None; ``peer``: the sending agent's name (None if its session ended before the message
-    was read); ``nbytes``: bytes the WRITE WITH IMM wrote (0 for messages).
+    None; ``nbytes``: bytes the WRITE WITH IMM wrote (0 for messages).
+
+    Who sent it: ``peer``, the sending agent's name (``Agent.name``), and ``peer_id``, its
+    id (``Agent.id``, the sender's ``Peer.remote_id`` is the same 16 bytes), which tells
+    apart two agents of one name. Both None if the sender is no longer known (its session
+    ended long before the message was read: the names of the last 4096 sessions are kept).
     """
 
-    __slots__ = ("data", "imm", "peer", "nbytes")
+    __slots__ = ("data", "imm", "peer", "peer_id", "nbytes")
 
-    def __init__(self, data: bytes, imm: int | None, peer: str | None, nbytes: int = 0) -> None:
+    def __init__(
+        self, data: bytes, imm: int | None, peer: str | None, nbytes: int = 0, peer_id: bytes | None = None
+    ) -> None:
         self.data = data
         self.imm = imm
         self.peer = peer
+        self.peer_id = peer_id
         self.nbytes = nbytes
 
     def __repr__(self) -> str:
         what = f"imm={self.imm:#x} nbytes={self.nbytes}" if self.imm is not None else f"data={self.data[:32]!r}"
-        return f"<Notification from {self.peer!r} {what}>"
+        who = f"{self.peer!r} (id {self.peer_id[:4].hex()})" if self.peer_id is not None else repr(self.peer)
+        return f"<Notification from {who} {what}>"
 
 
-def note_bytes(data: Any, what: str) -> bytes:
-    """``data`` as the bytes of a notification, or InvalidArgument saying what is wrong."""
+def note_bytes(data: Any, what: str, arg: str = "notify=") -> bytes:
+    """``data`` as the bytes of a notification, or InvalidArgument naming ``arg``, the argument."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise InvalidArgument(f"{what}: notify= takes bytes, not {type(data).__name__}")
+        raise InvalidArgument(f"{what}: {arg} takes bytes, not {type(data).__name__}")
     data = bytes(data)
     if len(data) > MAX_NOTIFICATION:
         raise InvalidArgument(f"{what}: a notification holds at most {MAX_NOTIFICATION} bytes, not {len(data)}")
@@ -63,10 +71,12 @@ def note_bytes(data: Any, what: str) -> bytes:
 class Inbox:
     """The agent's notifications: pulled from the native queue, handed to waiters in order."""
 
-    def __init__(self, engine: Engine, capacity: int, names: Callable[[int], str | None]) -> None:
+    def __init__(
+        self, engine: Engine, capacity: int, senders: Callable[[int], tuple[str, bytes] | tuple[None, None]]
+    ) -> None:
         self.engine = engine
         self.capacity = capacity
-        self.names = names  # native source (session key) -> the sender's name
+        self.senders = senders  # native source (session key) -> the sender's (name, agent id)
         self._queue: collections.deque[Notification] = collections.deque()
         self._waiters: list[list[Any]] = []  # [waiter, match, notification]
         self._space: list[Any] = []  # senders on this agent (loopback) waiting for room
@@ -89,7 +99,8 @@ class Inbox:
             for i in range(n):
                 e = self._buf[i]
                 imm = int(e.imm) if e.flags & lib.HX_NOTE_IMM else None
-                self._queue.append(Notification(bytes(ffi.buffer(e.data, e.len)), imm, self.names(e.source), e.nbytes))
+                name, agent_id = self.senders(e.source)
+                self._queue.append(Notification(bytes(ffi.buffer(e.data, e.len)), imm, name, e.nbytes, agent_id))
             moved += n
             if n < _BATCH:
                 break
@@ -127,8 +138,10 @@ class Inbox:
     async def get(self, timeout: float | None, match: Any, what: str) -> Notification:
         if self.closed:
             raise ClosedError(f"{what}: agent is closed")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
+            raise InvalidArgument(f"{what}: timeout must be a number of seconds or None, not {type(timeout).__name__}")
         if match is not None:
-            match = note_bytes(match, what)
+            match = note_bytes(match, what, "match=")
         self.engine.attach(what)  # the loop that started the agent, or WrongEventLoop
         self.pull()
         note = self._take(match)

@@ -186,7 +186,7 @@ class Peer(metaclass=NoPublicConstructor):
             )
             if waiter is not None:
                 return waiter
-        return engine.backend.done  # type: ignore[union-attr]  # attached: loop is set
+        return engine.backend.done_waiter()  # type: ignore[union-attr]  # attached: loop is set
 
     async def put_many(
         self,
@@ -207,7 +207,7 @@ class Peer(metaclass=NoPublicConstructor):
         """Send ``data`` (up to 4 KiB) alone: the target's ``agent.notification()`` yields it
         after every op issued earlier on this peer has landed. Returns once it is queued there."""
         what = "Peer.notify"
-        data = note_bytes(data, what)
+        data = note_bytes(data, what, "data")
         self._check_open(what)
         engine = self._engine
         if engine.full:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from ._span import Span
 from .descriptor import RegionInfo, encode_info
-from .memory import Access
+from .memory import Access, access_names
 
 __all__ = ["RemoteRegion", "RemoteSlice"]
 
@@ -48,7 +48,7 @@ class RemoteRegion(Span):
         return f"{self.name!r} (id {self.id})" if self.name else f"id {self.id}"
 
     def __repr__(self) -> str:
-        return f"<RemoteRegion {self.label()} {self.nbytes} bytes {self.access!s}>"
+        return f"<RemoteRegion {self.label()} {self.nbytes} bytes {access_names(self.access)}>"
 
 
 class RemoteSlice(Span):

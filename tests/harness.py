@@ -118,7 +118,25 @@ class Target(LineProcess):
         return cls(proc, out, first["address"])
 
     async def cmd(self, **kw) -> dict:
-        reply = await self.ask(kw, 600 if os.environ.get("SOFTROCE_GUEST") else 60)
+        reply = await self.ask(kw, self.REPLY_TIMEOUT)
+        assert reply.get("ok"), reply
+        return reply
+
+    REPLY_TIMEOUT = 600 if os.environ.get("SOFTROCE_GUEST") else 60
+
+    async def state(self) -> dict:
+        """What the target is at: ops outstanding, notifications received, library warnings."""
+        return await self.cmd(op="state")
+
+    async def block(self, seconds: float) -> None:
+        """Stop the target's event loop for ``seconds``; returns once it has stopped.
+        ``unblocked()`` then reads the answer it gives when it runs again."""
+        reply = await self.ask({"op": "block", "seconds": seconds}, self.REPLY_TIMEOUT)
+        assert reply.get("blocking"), reply
+
+    async def unblocked(self) -> dict:
+        with anyio.fail_after(self.REPLY_TIMEOUT):
+            reply = json.loads(await self.out.receive_until(b"\n", 1 << 20))
         assert reply.get("ok"), reply
         return reply
 
@@ -129,3 +147,22 @@ class Target(LineProcess):
 
     async def hash(self, name: str, offset: int, length: int) -> str:
         return (await self.cmd(op="hash", name=name, offset=offset, len=length))["sha256"]
+
+
+def tcp_queues(sock) -> tuple[int, int]:
+    """For a connection over 127.0.0.1: (bytes this end sent that the other end's process has
+    not read yet, bytes the other end sent that this end has not read), from the kernel's
+    socket table (/proc/net/tcp: each end's send queue not yet acknowledged, receive queue
+    not yet read). A state to wait on instead of a guess of how long the other side takes."""
+    here, there = sock.getsockname()[1], sock.getpeername()[1]
+    sent = received = 0
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            local, remote = int(fields[1].split(":")[1], 16), int(fields[2].split(":")[1], 16)
+            tx, rx = (int(q, 16) for q in fields[4].split(":"))
+            if (local, remote) == (here, there):
+                sent, received = sent + tx, received + rx
+            elif (local, remote) == (there, here):
+                sent, received = sent + rx, received + tx
+    return sent, received

@@ -4,14 +4,17 @@
 
 It prints {"address": ...} once listening, then answers one line per command:
 alloc (name, size, access, seed, publish), register (same, over a numpy array), hash
-(name, offset, len), close (name), exit. The test process checks the target's
-memory through these answers, never through the library under test.
+(name, offset, len), close (name), state (what a test waits on: ops outstanding,
+notifications received, the library's warnings so far), block (a line as its loop
+stops, another as it runs again), exit. The test process checks the target's memory
+through these answers, never through the library under test.
 """
 
 import argparse
 import asyncio
 import hashlib
 import json
+import logging
 import sys
 import time
 
@@ -25,7 +28,20 @@ def pattern(size: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
+class Warnings(logging.Handler):
+    """The library's warnings, for the state command (e.g. "cannot accept connections")."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 async def main() -> None:
+    warnings = Warnings()
+    logging.getLogger("aiohixl").addHandler(warnings)
     p = argparse.ArgumentParser()
     p.add_argument("--token", required=True)
     p.add_argument("--listen", default="127.0.0.1:0")
@@ -108,8 +124,15 @@ async def main() -> None:
                     dropped=agent.notifications_dropped,
                 )
             elif op == "block":
+                print(json.dumps({"ok": True, "blocking": True}), flush=True)  # nothing runs from here
                 time.sleep(cmd["seconds"])  # the event loop stops: a synchronous forward pass
                 out["pending"] = agent.outstanding
+            elif op == "state":
+                out.update(
+                    outstanding=agent.outstanding,
+                    received=agent.stats()["notifications"]["received"],
+                    warnings=warnings.messages,
+                )
             elif op == "info":
                 usable = [n for n in agent.transports if n not in agent.unavailable]
                 out.update(verbs=agent.verbs_unavailable or "ready", transports=usable)

@@ -3,9 +3,12 @@
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+
+from aiohixl.tools.info import TransportStatus, transports
 
 
 def test_info_reports_transports_and_reasons():
@@ -13,17 +16,53 @@ def test_info_reports_transports_and_reasons():
     assert "aiohixl 0.1.0" in out
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
     assert " yes " in lines["tcp"] and " yes " in lines["loopback"]
-    if os.listdir("/sys/class/infiniband") if os.path.isdir("/sys/class/infiniband") else []:
-        assert " yes " in lines["verbs"] or "port" in lines["verbs"]  # a device: used, or why its port isn't
+    devices = os.listdir("/sys/class/infiniband") if os.path.isdir("/sys/class/infiniband") else []
+    verbs = lines["verbs"]
+    unbuilt = ("rdma-core headers", "libibverbs not installed")  # nothing to ask a device with
+    if " yes " in verbs:  # the device, port and GID it would use
+        assert re.search(r" yes +(\S+) port \d+ GID\[\d+\] ", verbs) and verbs.split()[2] in devices, verbs
+    elif devices:  # why none of them is used
+        assert " no " in verbs and any(why in verbs for why in (*unbuilt, "no ACTIVE port")), verbs
     else:
-        assert " no " in lines["verbs"] and ("libibverbs" in lines["verbs"] or "device" in lines["verbs"])
+        assert " no " in verbs and any(why in verbs for why in (*unbuilt, "no RDMA device")), verbs
+
+
+def test_bench_refuses_unknown_transports_before_running_anything():
+    proc = subprocess.run(
+        [sys.executable, "-m", "aiohixl", "bench", "--quick", "--transports", "foo,tcp"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "unknown 'foo': choose from loopback, shm, shm-cma, tcp, verbs" in proc.stderr, proc.stderr
+
+
+def test_bench_plot_without_matplotlib_is_refused_before_running_anything(tmp_path):
+    hide = "import sys; sys.modules['matplotlib'] = None"  # this interpreter has no matplotlib
+    run = "from aiohixl.__main__ import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run(
+        [sys.executable, "-c", f"{hide}; {run}", "bench", "--quick", "--transports", "loopback"]
+        + ["--plot", str(tmp_path / "bench.png")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""  # no bench ran: it would print its tables
+    assert "--plot needs matplotlib: pip install 'aiohixl[plot]'" in proc.stderr, proc.stderr
+
+
+def _verbs() -> TransportStatus:
+    return next(t for t in transports() if t.name == "verbs")
 
 
 def test_bench_quick_writes_json(tmp_path):
     path, png = tmp_path / "bench.json", tmp_path / "bench.png"
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    verbs = _verbs()
+    names = "loopback,tcp" if verbs.available else "loopback,tcp,verbs"  # verbs: skipped, saying why
     proc = subprocess.run(
-        [sys.executable, "-m", "aiohixl", "bench", "--quick", "--transports", "loopback,tcp", "--json", str(path)]
+        [sys.executable, "-m", "aiohixl", "bench", "--quick", "--transports", names, "--json", str(path)]
         + (["--plot", str(png)] if has_matplotlib else []),
         capture_output=True,
         text=True,
@@ -33,6 +72,10 @@ def test_bench_quick_writes_json(tmp_path):
     assert png.exists() == has_matplotlib
     data = json.loads(path.read_text())
     assert set(data["transports"]) == {"loopback", "tcp"}
+    assert {name: t["path"] for name, t in data["transports"].items()} == {"loopback": "loopback", "tcp": "tcp"}
+    if not verbs.available:  # not tcp's figures under "verbs (path: tcp)"
+        assert data["skipped"] == {"verbs": verbs.detail}
+        assert f"verbs: not measured: {verbs.detail}" in proc.stdout and "verbs (path" not in proc.stdout
     assert "vs its physical limit" in proc.stdout and "physical-limit check" in proc.stdout
 
     # Every native baseline is there and positive. Nothing is asserted about
@@ -73,3 +116,18 @@ def test_bench_quick_writes_json(tmp_path):
                 assert row["limit"]["baseline"] == "memcpy_gbps"
     assert isinstance(data["transports"]["tcp"]["latency"]["put 4 KiB"]["limit"]["above_limit"], bool)
     assert isinstance(data["machine"]["above_physical_limit"], int)
+
+
+def test_store_errors_name_the_command_once_and_its_own_options():
+    env = {k: v for k, v in os.environ.items() if k != "AIOHIXL_TOKEN"}
+
+    def store(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "aiohixl", "store", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+
+    proc = store("--listen", "127.0.0.1:0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "aiohixl store: a shared token is required (--token or AIOHIXL_TOKEN)"
+    proc = store("--listen", "nowhere", "--token", "t")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "aiohixl store --listen: address 'nowhere' is not 'host:port'"

@@ -27,6 +27,7 @@ from aiohixl import _testing as hooks
 from aiohixl.remote import RemoteRegion
 
 from .harness import TOKEN, Target, pattern, sha
+from .waiting import wait_until
 
 IN_VM = bool(os.environ.get("SOFTROCE_GUEST"))
 # name -> (transports the initiator allows, how the target registers its memory)
@@ -267,11 +268,8 @@ async def test_cancelled_op_still_lands_and_its_memory_stays_alive(path):
     except asyncio.CancelledError:
         pass
     del src_arr  # the user's reference is gone; the op keeps the buffer alive
-    for _ in range(6000):  # the op is still accounted for, until its completion arrives
-        if not path.agent.outstanding:
-            break
-        await asyncio.sleep(0.01)
-    assert path.agent.outstanding == 0
+    # the op is still accounted for, until its completion arrives
+    await wait_until(lambda: path.agent.outstanding == 0, timeout=60, what="the cancelled put's completion")
     assert await path.hash("kv", 0, n) == sha(pattern(n, 11))
     await src.close()
 
@@ -316,7 +314,7 @@ async def test_peer_death_fails_outstanding_ops_then_reconnect_works(name):
                 done += 1
 
         tasks = [asyncio.create_task(pump()) for _ in range(4)]
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: done >= 4, what="traffic before the kill")  # ops in flight at the kill
         target.kill()
         killed = time.monotonic()
         results = await asyncio.gather(*tasks, return_exceptions=True)

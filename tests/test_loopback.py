@@ -322,6 +322,53 @@ async def test_idle_agent_does_not_spin():
     assert used < 0.02 * 2.0, f"idle agent used {used:.3f} s of CPU in 2 s"
 
 
+async def test_calls_that_change_the_agent_are_refused_from_another_thread(agent):
+    """The contract (Agent's docstring): what changes an agent raises WrongEventLoop off its
+    loop, before anything is made; the read-only queries answer from any thread."""
+    region = agent.allocate(4096, name="kv")
+    agent.loopback()  # bound to this loop (the fixture started it)
+    calls = {
+        "Agent.allocate": lambda: agent.allocate(64),
+        "Agent.register": lambda: agent.register(bytearray(64)),
+        "Agent.allocate_async": lambda: asyncio.run(agent.allocate_async(64)),
+        "Agent.register_async": lambda: asyncio.run(agent.register_async(bytearray(64))),
+        "Agent.loopback": agent.loopback,
+        "Agent.notification": lambda: asyncio.run(agent.notification(timeout=0)),
+        "Region.close": lambda: asyncio.run(region.close()),
+        "Agent.aclose": lambda: asyncio.run(agent.aclose()),
+    }
+
+    def elsewhere() -> dict:
+        refused = {}
+        for name, call in calls.items():
+            try:
+                call()
+            except aiohixl.WrongEventLoop as exc:
+                refused[name] = name in str(exc)
+        return refused
+
+    before = len(hooks.live_regions(agent))
+    assert await asyncio.to_thread(elsewhere) == dict.fromkeys(calls, True)
+    assert len(hooks.live_regions(agent)) == before and not agent.closed and not region.closed
+    stats, outstanding, view = await asyncio.to_thread(lambda: (agent.stats(), agent.outstanding, region.memory))
+    assert stats["outstanding"] == outstanding == 0 and len(view) == 4096
+
+
+def test_an_agent_not_started_yet_is_set_up_from_plain_code_then_belongs_to_its_loop():
+    agent = aiohixl.Agent("plain")
+    data = random_bytes(4096)
+    src = agent.register(data)  # no loop runs here
+    dst = agent.allocate(4096, name="dst")
+
+    async def main() -> bytes:
+        async with agent:
+            peer = agent.loopback()
+            await peer.put(await peer.region("dst"), src)
+            return bytes(dst.memory)
+
+    assert asyncio.run(main()) == data.tobytes()
+
+
 def test_use_from_a_later_loop_of_the_same_thread_is_refused():
     """The fast path knows its loop by the thread running it: a loop of the same thread
     run after the agent's own stopped is another loop, refused like one of another thread."""
@@ -368,26 +415,6 @@ async def test_closing_a_region_waits_for_its_ops_in_flight():
         assert put.done() and put.exception() is None
         assert not hooks.in_flight_on(agent, src)
         assert np.all(np.frombuffer(dst.memory, dtype=np.uint8) == 7)
-
-
-async def test_ops_that_end_inline_share_one_done_future(agent):
-    """What the README says: small same-host ops return one done Future, so gather gives a
-    result per op while as_completed sees one future; asyncio.wait takes ops as Tasks only."""
-    src = agent.register(random_bytes(4 << 20, seed=9))
-    agent.register(np.zeros(4 << 20, dtype=np.uint8), name="d", access=aiohixl.Access.REMOTE_WRITE)
-    peer = agent.loopback()
-    dst = await peer.region("d")
-    small = [peer.put(dst[i * 4096 : (i + 1) * 4096], src[i * 4096 : (i + 1) * 4096]) for i in range(3)]
-    assert small[0].done() and small[0] is small[1] is small[2]
-    assert await asyncio.gather(*small) == [None, None, None]
-    assert [await f for f in asyncio.as_completed(small)] == [None]  # the one future, once
-    with pytest.raises(TypeError, match="coroutines"):  # it is a coroutine too, for create_task
-        await asyncio.wait(small)
-    done, _ = await asyncio.wait([asyncio.create_task(op) for op in small])
-    assert len(done) == 3
-    large = peer.put(dst[:], src[:])  # 4 MiB: on the copy threads, its own future
-    assert large is not small[0]
-    await large
 
 
 async def test_peers_and_regions_come_from_the_agent_never_from_their_constructors(agent):

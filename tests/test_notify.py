@@ -20,6 +20,7 @@ import aiohixl
 
 from .harness import TOKEN, Target, pattern, sha
 from .test_contract import IN_VM, PATHS, RUN
+from .waiting import wait_until
 
 # Sizes up to 64 MiB; in the Soft-RoCE VM (emulated, ~100x slower) up to 8 MiB: its 1000 ops take ~1 min.
 SPACE = (8 << 20) if IN_VM else (64 << 20)
@@ -133,6 +134,10 @@ async def test_ordered_per_sender_none_lost_from_four_senders():
         await target.aclose()
 
 
+async def _received_at_least(target: Target, n: int) -> bool:
+    return (await target.state())["received"] >= n
+
+
 @not_in_vm
 async def test_a_full_queue_holds_senders_back_and_loses_nothing():
     target = await Target.start(max_notes=8)
@@ -140,8 +145,13 @@ async def test_a_full_queue_holds_senders_back_and_loses_nothing():
         async with aiohixl.Agent("sender", token=TOKEN) as agent:
             peer = await agent.connect(target.address)
             sends = [asyncio.create_task(peer.notify(f"m{i}".encode())) for i in range(100)]
-            await asyncio.sleep(1.0)  # nobody takes any: at most queue-sized batches get in
-            assert sum(t.done() for t in sends) < 100, "a full queue must hold senders back"
+            # Nobody takes any: the queue fills. All 100 went out at once, in order on one
+            # connection; the state query after it has filled is a round trip through the
+            # target's loop, long after the rest would have been queued had nothing held them.
+            await wait_until(lambda: _received_at_least(target, 8), what="the target's queue full")
+            received = (await target.state())["received"]
+            assert received < 100, "a full queue must hold senders back"
+            assert sum(t.done() for t in sends) <= received  # a notify returns once queued there
             reply = await target.cmd(op="collect", n=100)
             await asyncio.gather(*sends)
             assert [d for _, d in reply["notes"]] == [f"m{i}" for i in range(100)]
@@ -163,8 +173,8 @@ async def test_a_target_whose_loop_is_blocked_keeps_its_connections():
             peer = await agent.connect(target.address)
             kv = await peer.region("kv")
             src = agent.register(pattern(1 << 20, 3))
-            blocked = asyncio.create_task(target.cmd(op="block", seconds=block))
-            await asyncio.sleep(0.5)  # the target's loop is in time.sleep now
+            await target.block(block)  # the target's loop is in time.sleep now
+            blocked = asyncio.create_task(target.unblocked())
             start = time.monotonic()
             for i in range(1000):
                 await peer.put(kv[(i % 256) * 4096 : (i % 256 + 1) * 4096], src[:4096], notify=f"n{i}".encode())
@@ -214,7 +224,10 @@ async def test_notification_on_a_closed_agent_and_iteration_ends():
 
     task = asyncio.create_task(consume())
     waiting = asyncio.create_task(agent.notification())
-    await asyncio.sleep(0.05)
+    # consume() waits for its second message from the moment it has the first; the loop
+    # turns meanwhile, so the other task waits too.
+    await wait_until(lambda: got == [b"one"], what="the first message consumed")
+    assert not waiting.done() and not task.done()
     await agent.aclose()
     await asyncio.wait_for(task, 5)  # the iteration ends with the agent
     assert got == [b"one"]
@@ -222,3 +235,19 @@ async def test_notification_on_a_closed_agent_and_iteration_ends():
         await waiting
     with pytest.raises(aiohixl.ClosedError, match="Agent.notification"):
         await agent.notification()
+
+
+@not_in_vm
+async def test_two_senders_of_one_name_are_told_apart_by_their_id():
+    """``Notification.peer`` is the sender's name; ``peer_id`` its ``Agent.id``, unique."""
+    async with aiohixl.Agent("target", listen="127.0.0.1:0", token=TOKEN) as target:
+        async with aiohixl.Agent("twin", token=TOKEN) as one, aiohixl.Agent("twin", token=TOKEN) as two:
+            for sender in (one, two):
+                peer = await sender.connect(target.address)
+                await peer.notify(sender.id)
+                note = await target.notification(timeout=30)
+                assert (note.data, note.peer, note.peer_id) == (sender.id, "twin", sender.id)
+                assert sender.id[:4].hex() in repr(note)
+            await target.loopback().notify(b"self")
+            note = await target.notification(timeout=30)
+            assert (note.peer, note.peer_id) == ("target", target.id)

@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "pd_se
 from common import MODEL  # noqa: E402
 from run import Cluster, check_exact, prompts, send  # noqa: E402
 
+from .waiting import wait_until  # noqa: E402
+
 BLOCKS = 256
 MAX_NEW = 8
 pytestmark = pytest.mark.timeout(240)
@@ -48,6 +50,11 @@ async def health(session, url: str) -> dict:
     async with session.get(f"{url}/health") as r:
         assert r.status == 200
         return await r.json()
+
+
+async def puts_posted(session, url: str) -> int:
+    """Ops the server's agent has posted, over every transport (its /health stats)."""
+    return sum(t["ops"] for t in (await health(session, url))["stats"]["transports"].values())
 
 
 async def test_concurrent_requests_are_exact_and_free_their_blocks(cluster):
@@ -90,12 +97,14 @@ async def test_baselines_are_exact(cluster, mode):
 async def test_decode_death_gives_503_and_prefill_goes_on(cluster):
     reqs = prompts([1024, 300], 1, seed=7)
     async with aiohttp.ClientSession() as session:
+        before = await puts_posted(session, cluster.prefill_url)
         request = asyncio.create_task(send(session, cluster.prefill_url, reqs[0], MAX_NEW, "layerwise", 0))
-        for _ in range(400):  # until the decode server reserved the blocks: the prefill is computing
-            if (await health(session, cluster.decode_url))["pending"]:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)  # a few layers in
+
+        async def layers_in() -> bool:  # the decode server reserved the blocks, and layers go out
+            reserved = (await health(session, cluster.decode_url))["pending"]
+            return reserved and await puts_posted(session, cluster.prefill_url) >= before + 3
+
+        await wait_until(layers_in, timeout=60, what="a few layers of the prefill put")
         cluster.kill_decode()
         rec = await asyncio.wait_for(request, 60)
         assert rec["status"] == 503, rec

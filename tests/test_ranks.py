@@ -26,6 +26,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 import aiohixl
 
 from .harness import ROOT, TOKEN, LineProcess, pattern
+from .waiting import wait_until, wait_until_sync
 
 SLOT = 256 << 10  # what each prefill rank writes into each decode rank's pool
 LEASE = 2.0  # redis lease in these tests: a dead rank's entry is gone within it
@@ -51,18 +52,18 @@ def redis_url():
         env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},  # make test-asan preloads libasan
     )
     try:
-        deadline = time.monotonic() + 20
-        while True:
+
+        def answers() -> bool:
+            if proc.poll() is not None:
+                pytest.fail("redis-server exited at start")
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        break
+                    return s.recv(16).startswith(b"+PONG")
             except OSError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                pytest.fail("redis-server did not start")
-            time.sleep(0.05)
+                return False
+
+        wait_until_sync(answers, timeout=20, what="redis-server answering PING")
         yield f"redis://127.0.0.1:{port}/0?lease={LEASE}"
     finally:
         proc.terminate()
@@ -168,9 +169,8 @@ async def test_a_killed_rank_leaves_the_store_and_its_restart_is_reached(store):
             await worker.proc.wait()
             t0 = time.monotonic()
             # The entry goes: embedded, when the connection drops; Redis, within the lease.
-            with anyio.fail_after(30):
-                while 5 in ctx.ranks():
-                    await anyio.sleep(0.05)  # (Redis: the lease task reads the store every lease/3 s)
+            # (Redis: the lease task reads the store every lease/3 s)
+            await wait_until(lambda: 5 not in ctx.ranks(), timeout=30, what="rank 5 gone from the store")
             gone_after = time.monotonic() - t0
             # tcp: the kernel closes the dead process's socket at once; Redis: the lease (2 s) ends
             # and the lease task (every lease/3 s) reads the store again. Loose bounds: a busy machine.
@@ -207,12 +207,11 @@ async def test_the_embedded_store_host_dying_is_a_clear_error():
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(wait_for_a_rank_that_never_comes)
-                await anyio.sleep(0.2)
+                await anyio.wait_all_tasks_blocked()  # the waiter waits on the store now
+                assert not waiting
                 host.kill()
                 t0 = time.monotonic()
-                with anyio.fail_after(30):  # not a hang: the waiter is told
-                    while not waiting:
-                        await anyio.sleep(0.02)
+                await wait_until(lambda: waiting, timeout=30, what="the waiter told")  # not a hang
             assert time.monotonic() - t0 < 30
             exc = waiting[0]
             assert isinstance(exc, aiohixl.StoreLost) and isinstance(exc, aiohixl.ConnectionLost)
@@ -247,6 +246,19 @@ async def test_unknown_rank_and_unknown_region_name_what_the_store_holds(store):
             await ctx.get_remote_mem(4, 8192, timeout=10)
         with pytest.raises(aiohixl.RendezvousTimeout, match="2 of 3 ranks"):
             await ctx.wait_ranks(3, timeout=0.3)
+
+
+async def test_get_remote_mem_of_nbytes_is_a_window_of_nbytes(store):
+    async with await init(store, 0) as ctx, await init(store, 4, "decode") as other:
+        kv = other.allocate_registered(1 << 16, name="kv")
+        remote = await ctx.get_remote_mem(4, 4096, timeout=10)
+        assert remote.nbytes == 4096
+        src = ctx.register(pattern(4096, 2))
+        await ctx.put(remote, src)  # the whole 64 KiB region would be a LengthMismatch
+        assert bytes(kv.memory[:4096]) == pattern(4096, 2).tobytes() and not any(kv.memory[4096:])
+        assert (await ctx.get_remote_mem(4, 1 << 16)).nbytes == (await ctx.get_remote_mem(4)).nbytes == 1 << 16
+        with pytest.raises(aiohixl.InvalidArgument, match="nbytes must be an int"):
+            await ctx.get_remote_mem(4, -1)
 
 
 async def test_an_unreachable_store_is_a_connect_timeout_naming_it(store):

@@ -24,7 +24,8 @@ from aiohixl._control.listener import Served
 from aiohixl._control.session import Session
 from aiohixl._loop.native import lib
 
-from .harness import TOKEN, Target, pattern, sha
+from .harness import TOKEN, Target, pattern, sha, tcp_queues
+from .waiting import wait_until, wait_until_sync
 
 TCP = ("tcp",)  # these tests are about tcp: shared memory would take over on one host
 SPACE = 256 << 20
@@ -189,12 +190,14 @@ async def test_held_puts_go_out_while_the_event_loop_is_blocked(pair):
         *(peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count))
     )
     held = [peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count)]
-    # Well within a heartbeat interval (1 s), whose frames would wake the I/O thread too.
-    deadline = time.monotonic() + 0.5
-    while not all(f.done() for f in held) and time.monotonic() < deadline:
-        time.sleep(0.01)  # the loop is blocked: no callback runs, the flush included
+
+    def sent() -> bool:
         engine.drain()  # what the loop would do with the completions, done here to see them
-    assert all(f.done() for f in held)
+        return all(f.done() for f in held)
+
+    # The loop is blocked (a synchronous wait): no callback runs, the flush included. Well
+    # within a heartbeat interval (1 s), whose frames would wake the I/O thread too.
+    wait_until_sync(sent, timeout=0.5, what="held puts sent by the I/O thread")
     await asyncio.gather(*held)
     assert await target.hash("kv", 0, size * count) == sha(src_arr[: size * count])
 
@@ -225,10 +228,15 @@ async def test_regions_published_after_connect_and_withdrawn(pair):
     late = await peer.region("late")
     await peer.put(late, src[:4096])
     await target.cmd(op="close", name="late")
-    with pytest.raises(aiohixl.RegionUnavailable):
-        for _ in range(50):  # the withdrawal notice races this loop; the target refuses anyway
+
+    async def refused() -> bool:  # by the withdrawal notice, or else by the target itself
+        try:
             await peer.put(late, src[:4096])
-            await asyncio.sleep(0.01)
+        except aiohixl.RegionUnavailable:
+            return True
+        return False
+
+    await wait_until(refused, timeout=10, what="a put into the withdrawn region refused")
     with pytest.raises(aiohixl.RegionUnavailable):
         await peer.region("late")
 
@@ -389,12 +397,11 @@ async def test_heartbeat_detects_a_silent_peer():
 
 
 async def _stopped(pid: int) -> None:
-    for _ in range(500):
+    def stopped() -> bool:
         with open(f"/proc/{pid}/stat") as f:
-            if f.read().rpartition(")")[2].split()[0] == "T":
-                return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the target did not stop")
+            return f.read().rpartition(")")[2].split()[0] == "T"
+
+    await wait_until(stopped, timeout=5, what="the target stopped")
 
 
 async def test_a_put_stalled_mid_payload_cannot_hold_a_region_forever():
@@ -414,7 +421,8 @@ async def test_a_put_stalled_mid_payload_cannot_hold_a_region_forever():
             await c.client_handshake(data_ch, TOKEN.encode(), w.ROLE_DATA, info.session, hooks.identity(agent), "stall")
             header = struct.pack("<IB3xI4xQQQ", 0x50445848, 1, kv.id, 0, 1 << 20, 1)
             await data_ch.stream.send(header + bytes(1000))
-            await anyio.sleep(0.2)
+            sock = data_ch.stream.extra(anyio.abc.SocketAttribute.raw_socket)
+            await wait_until(lambda: tcp_queues(sock)[0] == 0, what="the target read the half frame")
             reply = await target.cmd(op="close", name="kv")  # waits for the stalled writer
             assert 0.5 < reply["seconds"] < 5.0, reply
             await data_ch.aclose()
@@ -449,7 +457,12 @@ async def test_peer_that_never_reads_its_answers_is_cut_off_and_close_returns():
                 struct.pack("<IB3xI4xQQQQ", magic, 2, info.region_id, 0, 1 << 20, i + 1, info.key) for i in range(64)
             )
             await data.stream.send(gets)  # 64 MiB of answers, never read
-            await anyio.sleep(0.5)
+
+            def answering() -> bool:  # the target read the gets and answers into our full buffer
+                unread_there, unread_here = tcp_queues(sock)
+                return unread_there == 0 and unread_here > 0
+
+            await wait_until(answering, what="the target answering gets nobody reads")
             start = time.monotonic()
             with anyio.fail_after(120):  # forever, before: the answers held the region
                 await region.close()
@@ -462,6 +475,13 @@ async def test_peer_that_never_reads_its_answers_is_cut_off_and_close_returns():
         async with aiohixl.Agent("next", token=TOKEN, transports=TCP) as agent:
             peer = await agent.connect(target.address)
             await peer.put(await peer.region("next"), agent.register(bytearray(b"n" * 4096)))
+
+
+def _accept_failed(target: Target):
+    async def failed() -> bool:
+        return any("cannot accept connections" in m for m in (await target.state())["warnings"])
+
+    return failed
 
 
 async def test_listener_survives_fd_exhaustion_with_its_live_connections():
@@ -479,12 +499,9 @@ async def test_listener_survives_fd_exhaustion_with_its_live_connections():
             resource.prlimit(pid, resource.RLIMIT_NOFILE, (used + 6, used + 6))
             hogs = [socket.create_connection(("127.0.0.1", target.port)) for _ in range(24)]
             try:
-                for _ in range(100):  # until the target holds every fd it may
-                    if len(os.listdir(f"/proc/{pid}/fd")) >= used + 6:
-                        break
-                    await anyio.sleep(0.1)
-                assert len(os.listdir(f"/proc/{pid}/fd")) >= used + 6
-                await anyio.sleep(1.0)  # accept() has failed with EMFILE meanwhile
+                fds = f"/proc/{pid}/fd"
+                await wait_until(lambda: len(os.listdir(fds)) >= used + 6, what="the target's fds used up")
+                await wait_until(_accept_failed(target), what="the target's accept() failing (EMFILE)")
                 await peer.put(kv, src)  # the live connection was not collateral
                 assert await target.hash("kv", 0, 1 << 20) == sha(pattern(1 << 20, 3))
             finally:
@@ -507,12 +524,8 @@ async def test_memfd_socket_checks_credentials_and_drops_idle_connections(monkey
     monkeypatch.setattr(shm, "HANDSHAKE_TIMEOUT", 0.5)
     async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN) as target:
         shm_transport = hooks.transport(target, "shm")
-        for _ in range(100):  # the listener starts its side servers in the background
-            if shm_transport.socket_name:
-                break
-            await anyio.sleep(0.05)
-        name = shm_transport.socket_name
-        assert name
+        # the listener starts its side servers in the background
+        name = await wait_until(lambda: shm_transport.socket_name, what="the memfd socket listening")
         idle = [await anyio.connect_unix(name) for _ in range(shm.MAX_PER_PID + 2)]
         try:
             # more than MAX_PER_PID from one process: closed at once; the rest once the timeout passes
@@ -547,11 +560,7 @@ async def test_timeout_raises_and_the_op_still_completes():
                 assert agent.outstanding == 1  # still accounted for
             finally:
                 target.proc.send_signal(signal.SIGCONT)
-            for _ in range(3000):
-                if not agent.outstanding:
-                    break
-                await asyncio.sleep(0.01)
-            assert agent.outstanding == 0
+            await wait_until(lambda: agent.outstanding == 0, timeout=60, what="the timed-out put's completion")
             assert await target.hash("kv", 0, 1 << 20) == sha(pattern(1 << 20, 6))
     finally:
         await target.aclose()

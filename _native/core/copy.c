@@ -3,16 +3,12 @@
  * Small ops copy on the caller's thread; large ones are cut into pieces that
  * the copy pool's threads share. */
 #include "internal.h"
-#include <errno.h>
-#include <pthread.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/uio.h>
-#include <unistd.h>
 
 /* Copies at or under this size run on the caller's thread: waking another
- * core (30-40 us each way) costs more than the copy. Cross-memory attach is
+ * core costs more than the copy (docs/benchmarks.md). Cross-memory attach is
  * several times slower than memcpy, so its bound is lower for a submission
  * of several pieces (the pool's threads share them); one piece up to
  * HX_COPY_PIECE_MIN would be the caller's alone anyway, so it runs inline
@@ -23,119 +19,6 @@
 #define HX_COPY_PIECE_MIN (1024u * 1024u)
 /* Submissions of up to this many pieces keep their bookkeeping on the stack. */
 #define HX_STACK_SGES 4u
-
-/* One cross-memory attach call; what it moved, or a negative status. */
-static ssize_t cma_once(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len)
-{
-    struct iovec local, remote;
-    if (opcode == HX_OP_PUT) {
-        local = (struct iovec){(void *)src, len};
-        remote = (struct iovec){dst, len};
-        return process_vm_writev(pid, &local, 1, &remote, 1, 0);
-    }
-    local = (struct iovec){dst, len};
-    remote = (struct iovec){(void *)src, len};
-    return process_vm_readv(pid, &local, 1, &remote, 1, 0);
-}
-
-static int cma_copy(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len)
-{
-    /* Cross-memory attach moves at most what the kernel takes per call. */
-    while (len) {
-        ssize_t n = cma_once(opcode, pid, dst, src, len);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno == ESRCH)
-                return HX_E_CONNLOST; /* the target process is gone */
-            if (errno == EPERM)
-                return HX_E_ACCESS;
-            return HX_E_REMOTE; /* EFAULT: the target's memory is not there */
-        }
-        if (n == 0)
-            return HX_E_REMOTE;
-        dst += n;
-        src += n;
-        len -= (uint64_t)n;
-    }
-    return HX_OK;
-}
-
-/* The kernel copies cross-memory attach with rep movsb, page by page. Where
- * the destination sits 1-63 bytes past the source modulo 4 KiB (a numpy
- * array's data 16 bytes into its page, written from a page-aligned region),
- * the stores alias the loads that follow them and the copy runs at a quarter
- * of its speed or less (2.3 against 10 GB/s measured on AMD EPYC), however it
- * is cut. Such copies go through a buffer of this thread's placed 2 KiB away
- * from both ends, in pieces that stay in the cache between the two copies. */
-#define HX_BOUNCE (128u * 1024u)
-#define HX_PAGE 4096u
-
-static pthread_key_t bounce_key;
-static pthread_once_t bounce_once = PTHREAD_ONCE_INIT;
-
-static void bounce_key_make(void) { (void)pthread_key_create(&bounce_key, free); }
-
-static uint8_t *bounce_buffer(void)
-{
-    pthread_once(&bounce_once, bounce_key_make);
-    uint8_t *b = pthread_getspecific(bounce_key);
-    if (!b) {
-        if (posix_memalign((void **)&b, HX_PAGE, HX_BOUNCE + HX_PAGE) != 0)
-            return NULL;
-        if (pthread_setspecific(bounce_key, b) != 0) {
-            free(b);
-            return NULL;
-        }
-    }
-    return b;
-}
-
-static bool aliased(const uint8_t *dst, const uint8_t *src)
-{
-    uintptr_t d = ((uintptr_t)dst - (uintptr_t)src) & (HX_PAGE - 1);
-    return d != 0 && d < 64;
-}
-
-static int cma_bounced(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len, uint8_t *buf)
-{
-    /* The buffer 2 KiB away from the remote end, modulo a page; then 2 KiB plus
-     * the old distance away from the local one: neither copy aliases. */
-    const uint8_t *far = opcode == HX_OP_PUT ? dst : src;
-    uint8_t *b = buf + (((uintptr_t)far + HX_PAGE / 2) & (HX_PAGE - 1));
-    while (len) {
-        uint64_t n = len < HX_BOUNCE ? len : HX_BOUNCE;
-        int rc;
-        if (opcode == HX_OP_PUT) {
-            memcpy(b, src, n);
-            rc = cma_copy(opcode, pid, dst, b, n);
-        } else {
-            rc = cma_copy(opcode, pid, b, src, n);
-            if (rc == HX_OK)
-                memcpy(dst, b, n);
-        }
-        if (rc != HX_OK)
-            return rc;
-        dst += n;
-        src += n;
-        len -= n;
-    }
-    return HX_OK;
-}
-
-int hx_copy_run(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len)
-{
-    if (!pid) {
-        memmove(dst, src, len);
-        return HX_OK;
-    }
-    if (len >= 256 && aliased(dst, src)) {
-        uint8_t *buf = bounce_buffer();
-        if (buf)
-            return cma_bounced(opcode, pid, dst, src, len, buf);
-    }
-    return cma_copy(opcode, pid, dst, src, len);
-}
 
 /* Checks both ends of every piece before anything is copied: a refused op
  * leaves all memory as it was. */
@@ -241,125 +124,175 @@ static void free_tasks(hx_task *t)
     }
 }
 
-int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t op_id, const hx_sge *sges,
-                 uint32_t n)
-{
-    hx_agent *a = p->agent;
-    /* A few pieces (every single put or get) need nothing from the heap
-     * unless they go to the pool: the job moves there then. */
+/* An op's bookkeeping while it is set up: its job (the regions it holds) and
+ * each piece's two ends. A few pieces (every single put or get) need nothing
+ * from the heap unless they go to the pool: the job moves there then. */
+typedef struct {
     struct {
         hx_job job;
         hx_region *regions[2 * HX_STACK_SGES];
-    } on_stack;
+    } stack_job;
     uint8_t *stack_dst[HX_STACK_SGES];
     const uint8_t *stack_src[HX_STACK_SGES];
+    hx_job *job; /* NULL once the pool owns it */
+    uint8_t **dst;
+    const uint8_t **src;
+} copy_op;
+
+static size_t job_size(uint32_t n) { return sizeof(hx_job) + 2 * n * sizeof(hx_region *); }
+
+static int op_init(copy_op *o, uint32_t n)
+{
     bool small = n <= HX_STACK_SGES;
-    hx_job *job =
-        small ? memset(&on_stack, 0, sizeof on_stack) : calloc(1, sizeof *job + 2 * n * sizeof(hx_region *));
-    uint8_t **dst = small ? stack_dst : malloc(n * sizeof *dst);
-    const uint8_t **src = small ? stack_src : malloc(n * sizeof *src);
-    int rc = HX_E_NOMEM;
-    if (!job || !dst || !src)
-        goto out;
-    rc = acquire_all(a, remote, opcode, sges, n, job->regions, dst, src);
-    if (rc != HX_OK)
-        goto out;
+    o->job = small ? memset(&o->stack_job, 0, sizeof o->stack_job) : calloc(1, job_size(n));
+    o->dst = small ? o->stack_dst : malloc(n * sizeof *o->dst);
+    o->src = small ? o->stack_src : malloc(n * sizeof *o->src);
+    return o->job && o->dst && o->src ? HX_OK : HX_E_NOMEM;
+}
+
+static void op_end(copy_op *o)
+{
+    if (o->job != &o->stack_job.job)
+        free(o->job);
+    if (o->dst != o->stack_dst) {
+        free(o->dst);
+        free(o->src);
+    }
+}
+
+static void job_init(hx_job *job, hx_peer *p, uint64_t op_id, uint32_t n)
+{
     job->nregions = 2 * n;
     job->op_id = op_id;
     job->peer_id = p->id;
     job->transport = p->ops->transport;
     job->peer_failed = &p->failed;
     atomic_init(&job->status, HX_OK);
+}
 
-    int overlap = pid ? 0 : check_overlap(sges, n, dst, src);
-    if (overlap < 0) {
-        for (uint32_t i = 0; i < job->nregions; i++)
-            hx_region_release(job->regions[i]);
-        rc = overlap;
-        goto out;
+static void release_all(hx_job *job)
+{
+    for (uint32_t i = 0; i < job->nregions; i++)
+        hx_region_release(job->regions[i]);
+}
+
+/* Every piece on this thread: cheaper than waking a pool thread and then the
+ * event loop. HX_DONE_INLINE, or the first failure. */
+static int run_inline(copy_op *o, int pid, int opcode, const hx_sge *sges, uint32_t n)
+{
+    int rc = HX_DONE_INLINE;
+    for (uint32_t i = 0; i < n && rc == HX_DONE_INLINE; i++) {
+        int s = hx_copy_run(opcode, pid, o->dst[i], o->src[i], sges[i].len);
+        if (s != HX_OK)
+            rc = s;
     }
+    release_all(o->job);
+    return rc;
+}
 
-    uint64_t total = 0;
-    for (uint32_t i = 0; i < n; i++)
-        total += sges[i].len;
-    if (total <= (pid ? HX_INLINE_CMA_MAX : HX_INLINE_COPY_MAX) || (n == 1 && total <= HX_COPY_PIECE_MIN)) {
-        /* Cheaper than waking a pool thread and then the event loop. */
-        rc = HX_DONE_INLINE;
-        for (uint32_t i = 0; i < n && rc == HX_DONE_INLINE; i++) {
-            int s = hx_copy_run(opcode, pid, dst[i], (const uint8_t *)src[i], sges[i].len);
-            if (s != HX_OK)
-                rc = s;
-        }
-        for (uint32_t i = 0; i < job->nregions; i++)
-            hx_region_release(job->regions[i]);
-        goto out;
-    }
-
-    if (small) {
-        size_t size = sizeof *job + 2 * n * sizeof(hx_region *);
-        hx_job *heap = malloc(size);
-        if (!heap) {
-            for (uint32_t i = 0; i < job->nregions; i++)
-                hx_region_release(job->regions[i]);
-            job = NULL;
-            goto out;
-        }
-        memcpy(heap, job, size); /* atomics not yet shared with any thread */
-        job = heap;
-    }
-
-    /* Pieces for the pool's threads and for this thread, which would
-     * otherwise only wait: one share each, at least HX_COPY_PIECE_MIN. */
-    uint64_t piece = total / (a->nthreads + 1) + 1;
+/* Pieces for the pool's threads and for this thread, which would otherwise
+ * only wait: one share each, at least HX_COPY_PIECE_MIN, in whole pages. */
+static uint64_t piece_size(uint64_t total, uint32_t nthreads, bool overlap)
+{
+    if (overlap)
+        return total; /* one memmove: pieces copied in parallel would read bytes already overwritten */
+    uint64_t piece = total / (nthreads + 1) + 1;
     if (piece < HX_COPY_PIECE_MIN)
         piece = HX_COPY_PIECE_MIN;
-    piece = (piece + 4095) & ~(uint64_t)4095;
-    if (overlap)
-        piece = total; /* one memmove: pieces copied in parallel would read bytes already overwritten */
-    hx_task *first = NULL, *last = NULL;
-    int pieces = 0;
+    return (piece + 4095) & ~(uint64_t)4095;
+}
+
+/* The op cut into tasks of at most piece bytes, in order; NULL when out of
+ * memory (none kept then). */
+static hx_task *split_into_tasks(const copy_op *o, int pid, int opcode, const hx_sge *sges, uint32_t n,
+                                 uint64_t piece, hx_task **last, int *count)
+{
+    hx_task *first = NULL;
+    *last = NULL;
+    *count = 0;
     for (uint32_t i = 0; i < n; i++) {
         for (uint64_t off = 0; off < sges[i].len;) {
-            uint64_t len = sges[i].len - off;
-            if (len > piece)
-                len = piece;
+            uint64_t len = sges[i].len - off < piece ? sges[i].len - off : piece;
             hx_task *t = calloc(1, sizeof *t);
             if (!t) {
                 free_tasks(first);
-                for (uint32_t j = 0; j < job->nregions; j++)
-                    hx_region_release(job->regions[j]);
-                rc = HX_E_NOMEM;
-                goto out;
+                return NULL;
             }
-            *t = (hx_task){.job = job,
-                           .dst = dst[i] + off,
-                           .src = src[i] + off,
+            *t = (hx_task){.job = o->job,
+                           .dst = o->dst[i] + off,
+                           .src = o->src[i] + off,
                            .len = len,
                            .pid = pid,
                            .opcode = opcode};
-            if (last)
-                last->next = t;
+            if (*last)
+                (*last)->next = t;
             else
                 first = t;
-            last = t;
-            pieces++;
+            *last = t;
+            (*count)++;
             off += len;
         }
     }
-    atomic_init(&job->remaining, pieces);
-    hx_task *mine = first;
-    first = first->next;
-    job = NULL; /* owned by the pool now */
-    if (first)
-        hx_pool_submit(a, first, last);
-    hx_pool_run(a, mine);
-    rc = HX_POSTED;
-out:
-    if (job != &on_stack.job)
-        free(job);
-    if (dst != stack_dst) {
-        free(dst);
-        free(src);
+    return first;
+}
+
+/* Shares the op with the pool's threads; this thread copies the first piece.
+ * HX_POSTED (the pool completes the op), or HX_E_NOMEM with the regions
+ * released. */
+static int run_on_pool(hx_agent *a, copy_op *o, int pid, int opcode, const hx_sge *sges, uint32_t n,
+                       uint64_t piece)
+{
+    if (o->job == &o->stack_job.job) {
+        hx_job *heap = hx_fault(HX_FAULT_COPY_JOB) ? NULL : malloc(job_size(n));
+        if (!heap) {
+            release_all(o->job);
+            return HX_E_NOMEM;
+        }
+        memcpy(heap, o->job, job_size(n)); /* atomics not yet shared with any thread */
+        o->job = heap;
     }
+    hx_task *last;
+    int count;
+    hx_task *mine = split_into_tasks(o, pid, opcode, sges, n, piece, &last, &count);
+    if (!mine) {
+        release_all(o->job);
+        return HX_E_NOMEM;
+    }
+    atomic_init(&o->job->remaining, count);
+    o->job = NULL; /* owned by the pool now */
+    if (mine->next)
+        hx_pool_submit(a, mine->next, last);
+    hx_pool_run(a, mine);
+    return HX_POSTED;
+}
+
+/* The regions are held: copies inline, or on the pool. */
+static int run(hx_agent *a, copy_op *o, int pid, int opcode, const hx_sge *sges, uint32_t n)
+{
+    int overlap = pid ? 0 : check_overlap(sges, n, o->dst, o->src);
+    if (overlap < 0) {
+        release_all(o->job);
+        return overlap;
+    }
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < n; i++)
+        total += sges[i].len;
+    if (total <= (pid ? HX_INLINE_CMA_MAX : HX_INLINE_COPY_MAX) || (n == 1 && total <= HX_COPY_PIECE_MIN))
+        return run_inline(o, pid, opcode, sges, n);
+    return run_on_pool(a, o, pid, opcode, sges, n, piece_size(total, a->nthreads, overlap));
+}
+
+int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t op_id, const hx_sge *sges,
+                 uint32_t n)
+{
+    copy_op o;
+    int rc = op_init(&o, n);
+    if (rc == HX_OK)
+        rc = acquire_all(p->agent, remote, opcode, sges, n, o.job->regions, o.dst, o.src);
+    if (rc == HX_OK) {
+        job_init(o.job, p, op_id, n);
+        rc = run(p->agent, &o, pid, opcode, sges, n);
+    }
+    op_end(&o);
     return rc;
 }

@@ -7,8 +7,9 @@
  *
  * A huge page is not always cheap: with THP defrag on "madvise" (Debian's
  * default) a fault that finds no free 2 MiB block compacts memory first, and
- * a 1 GiB populate measured here ran anywhere from 0.6 to 11 GiB/s with huge
- * pages against a steady 2.4 with small ones. So each thread populates its
+ * a populate with huge pages ran anywhere from a quarter of the speed of small
+ * ones to several times it, from run to run, where small pages ran steadily
+ * (CHANGELOG.md has the figures). So each thread populates its
  * share in 16 MiB chunks and keeps huge pages only while a chunk faults in at
  * least as fast as small pages do (timed once per process, on scratch memory). */
 #include "internal.h"

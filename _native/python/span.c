@@ -1,10 +1,10 @@
 /* The base of Region, RegionSlice, RemoteRegion and RemoteSlice: a span of a
  * region, (region, offset, nbytes), and its slicing. A user writes
- * peer.put(kv[a:b], cache[c:d]) on every op; made in Python, each slice was a
- * third of a same-host put (0.45 us against 1.5). Here [a:b] of ints in range
- * is one C call; anything else (negative bounds, a step, a bad type, out of
- * range) goes to the Python fallback, which builds the same span or raises
- * the library's error naming the region.
+ * peer.put(kv[a:b], cache[c:d]) on every op; made in Python, each slice cost
+ * a third of a same-host put (docs/benchmarks.md, "slices per op"). Here
+ * [a:b] of ints in range is one C call; anything else (negative bounds, a
+ * step, a bad type, out of range) goes to the Python fallback, which builds
+ * the same span or raises the library's error naming the region.
  *
  * Built for the limited API, as the cffi module is: one wheel per platform. */
 #define PY_SSIZE_T_CLEAN

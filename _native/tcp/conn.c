@@ -58,32 +58,62 @@ void tcp_frame_free(hx_agent *a, frame *f, int status)
     free(f);
 }
 
+/* The iovecs of what is unsent, from the first unsent frame on; how many. */
+static int unsent_iov(conn *c, struct iovec *iov)
+{
+    int n = 0;
+    for (frame *f = c->unsent; f && n + 2 <= MAX_IOV; f = f->next) {
+        uint64_t s = f->sent;
+        if (!c->target && s <= REQ_FLAGS)
+            f->hdr[REQ_FLAGS] = f->next ? REQ_MORE : 0; /* the byte is not out yet */
+        if (s < f->hdrlen) {
+            iov[n].iov_base = f->hdr + s;
+            iov[n++].iov_len = f->hdrlen - s;
+            s = 0;
+        } else
+            s -= f->hdrlen;
+        if (f->datalen > s) {
+            iov[n].iov_base = (void *)(f->data + s);
+            iov[n++].iov_len = f->datalen - s;
+        }
+    }
+    return n;
+}
+
+/* sendmsg took `left` bytes: the frames they finish are sent (a target's
+ * responses are done then; requests wait for their answers). */
+static void sent(hx_agent *a, conn *c, uint64_t left)
+{
+    while (left && c->unsent) {
+        frame *f = c->unsent;
+        uint64_t need = f->hdrlen + f->datalen - f->sent;
+        uint64_t take = left < need ? left : need;
+        f->sent += take;
+        left -= take;
+        if (f->sent < f->hdrlen + f->datalen)
+            break;
+        c->unsent = f->next;
+        c->last_tx_ns = tcp_now_ns(); /* the next frame's turn starts now */
+        if (c->target) {
+            c->head = f->next;
+            if (!c->head)
+                c->tail = NULL;
+            c->outq--;
+            tcp_frame_free(a, f, HX_OK);
+        }
+    }
+}
+
 /* Sends what can be sent without blocking, at most budget bytes. Caller holds
  * c->lock; with unlocked, it is let go around each sendmsg (tcp_flush_io).
- * Returns 0, or -1 when the connection is broken. */
+ * Returns HX_OK, or HX_E_CONNLOST when the connection is broken. */
 static int flush(hx_agent *a, conn *c, uint64_t budget, bool unlocked)
 {
     if (c->tx_io)
-        return 0; /* the I/O thread is sending: it goes on with what was queued meanwhile */
+        return HX_OK; /* the I/O thread is sending: it goes on with what was queued meanwhile */
     while (c->unsent && !c->broken && budget) {
         struct iovec iov[MAX_IOV];
-        int n = 0;
-        for (frame *f = c->unsent; f && n + 2 <= MAX_IOV; f = f->next) {
-            uint64_t s = f->sent;
-            if (!c->target && s <= REQ_FLAGS)
-                f->hdr[REQ_FLAGS] = f->next ? REQ_MORE : 0; /* the byte is not out yet */
-            if (s < f->hdrlen) {
-                iov[n].iov_base = f->hdr + s;
-                iov[n++].iov_len = f->hdrlen - s;
-                s = 0;
-            } else
-                s -= f->hdrlen;
-            if (f->datalen > s) {
-                iov[n].iov_base = (void *)(f->data + s);
-                iov[n++].iov_len = f->datalen - s;
-            }
-        }
-        struct msghdr msg = {.msg_iov = iov, .msg_iovlen = n};
+        struct msghdr msg = {.msg_iov = iov, .msg_iovlen = unsent_iov(c, iov)};
         if (unlocked) {
             c->tx_io = true;
             pthread_mutex_unlock(&c->lock);
@@ -99,36 +129,17 @@ static int flush(hx_agent *a, conn *c, uint64_t budget, bool unlocked)
                 continue;
             if (err == EAGAIN || err == EWOULDBLOCK)
                 break;
-            return -1;
+            return HX_E_CONNLOST;
         }
-        uint64_t left = (uint64_t)w;
         if (w > 0)
             c->last_tx_ns = tcp_now_ns();
-        budget = budget > left ? budget - left : 0;
-        while (left && c->unsent) {
-            frame *f = c->unsent;
-            uint64_t need = f->hdrlen + f->datalen - f->sent;
-            uint64_t take = left < need ? left : need;
-            f->sent += take;
-            left -= take;
-            if (f->sent < f->hdrlen + f->datalen)
-                break;
-            c->unsent = f->next;
-            c->last_tx_ns = tcp_now_ns(); /* the next frame's turn starts now */
-            if (c->target) {
-                /* A response is done once sent; requests wait for theirs. */
-                c->head = f->next;
-                if (!c->head)
-                    c->tail = NULL;
-                c->outq--;
-                tcp_frame_free(a, f, HX_OK);
-            }
-        }
+        budget = budget > (uint64_t)w ? budget - (uint64_t)w : 0;
+        sent(a, c, (uint64_t)w);
     }
     if (!c->unsent)
         c->held_since = 0;
     tcp_update_interest(a, c);
-    return 0;
+    return HX_OK;
 }
 
 int tcp_flush_budget(hx_agent *a, conn *c, uint64_t budget) { return flush(a, c, budget, false); }
@@ -215,7 +226,7 @@ void tcp_conn_destroy(conn *c)
     free(c);
 }
 
-static void tcp_fail(hx_peer *p, int status)
+void tcp_peer_fail(hx_peer *p, int status)
 {
     conn *c = (conn *)p;
     int expected = 0;
@@ -223,7 +234,7 @@ static void tcp_fail(hx_peer *p, int status)
     tcp_io_wake(T(p->agent)->io);
 }
 
-static void tcp_destroy(hx_peer *p)
+void tcp_peer_destroy(hx_peer *p)
 {
     conn *c = (conn *)p;
     hx_agent *a = p->agent;
@@ -248,29 +259,17 @@ static void tcp_destroy(hx_peer *p)
     tcp_io_wake(io);
 }
 
-static const hx_peer_ops tcp_ops = {.post = tcp_post,
-                                    .note = tcp_note,
-                                    .flush = tcp_flush,
-                                    .fail = tcp_fail,
-                                    .destroy = tcp_destroy,
-                                    .transport = HX_TRANSPORT_TCP};
-
-conn *tcp_conn_add(hx_agent *a, int fd, bool target, uint64_t session, int *status)
+conn *tcp_conn_new(hx_agent *a, int fd, const tcp_role *role, uint64_t session)
 {
-    tcp_agent *t = T(a);
-    tcp_io *io = tcp_io_get(a, status);
-    if (!io)
-        return NULL;
     conn *c = calloc(1, sizeof *c);
-    if (!c) {
-        *status = HX_E_NOMEM;
+    if (!c)
         return NULL;
-    }
-    hx_peer_init(&c->base, a, &tcp_ops);
+    hx_peer_init(&c->base, a, role->peer_ops);
     pthread_mutex_init(&c->lock, NULL);
     pthread_mutex_init(&c->rx_lock, NULL);
+    c->role = role;
     c->fd = fd;
-    c->target = target;
+    c->target = role->target;
     c->session = session;
     atomic_init(&c->fail_req, 0);
     atomic_init(&c->freeing, false);
@@ -279,33 +278,5 @@ conn *tcp_conn_add(hx_agent *a, int fd, bool target, uint64_t session, int *stat
     setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
     c->events = EPOLLIN | EPOLLRDHUP;
     c->last_rx_ns = c->last_tx_ns = tcp_now_ns();
-    pthread_mutex_lock(&t->lock);
-    if (io->stopped) {
-        pthread_mutex_unlock(&t->lock);
-        tcp_conn_destroy(c);
-        *status = HX_E_CLOSED;
-        return NULL;
-    }
-    c->next_all = io->conns;
-    io->conns = c;
-    if (target)
-        atomic_fetch_add(&io->targets, 1);
-    /* Added to epoll last: from here on the I/O thread may use it. */
-    struct epoll_event ev = {.events = c->events, .data.ptr = c};
-    if (epoll_ctl(io->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
-        io->conns = c->next_all;
-        if (target)
-            atomic_fetch_sub(&io->targets, 1);
-        pthread_mutex_unlock(&t->lock);
-        tcp_conn_destroy(c);
-        *status = HX_E_SYS;
-        return NULL;
-    }
-    pthread_mutex_unlock(&t->lock);
-    /* The I/O thread may be blocked without a timeout, chosen while it had no
-     * connection: it must start this one's heartbeats (and so see a peer that
-     * never answers) even if no byte ever arrives on it. */
-    tcp_io_wake(io);
-    *status = HX_OK;
     return c;
 }

@@ -14,7 +14,7 @@
 
 hx_peer *hx_tcp_connect_fd(hx_agent *a, int fd, int *status)
 {
-    conn *c = tcp_conn_add(a, fd, false, 0, status);
+    conn *c = tcp_io_add(a, fd, &tcp_initiator_role, 0, status);
     if (!c) {
         close(fd);
         return NULL;
@@ -81,11 +81,9 @@ static int poll_answer(hx_agent *a, conn *c, uint64_t op_id, uint64_t done_at, u
         pthread_mutex_unlock(&c->lock);
         if (over)
             break;
-        int rc = tcp_conn_read(a, c);
-        if (rc < 0) {
-            fail = rc == -1 ? HX_E_PROTO : HX_E_CONNLOST;
+        fail = tcp_conn_read(a, c);
+        if (fail != HX_OK)
             break;
-        }
         if (tcp_inline_done || tcp_now_ns() >= deadline)
             break;
         sched_yield(); /* the target's thread may share this core (2 cores: it often does) */
@@ -105,7 +103,7 @@ static int poll_answer(hx_agent *a, conn *c, uint64_t op_id, uint64_t done_at, u
     return tcp_inline_done ? HX_DONE_INLINE : HX_POSTED;
 }
 
-int tcp_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len)
+static int tcp_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len)
 {
     conn *c = (conn *)p;
     tcp_op *op = calloc(1, sizeof *op);
@@ -138,19 +136,15 @@ int tcp_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint
     return rc;
 }
 
-void tcp_beacon_locked(hx_agent *a, conn *c)
+/* The initiator's heartbeat: W_PING, answered R_PONG in order. */
+static void beacon_locked(hx_agent *a, conn *c)
 {
     frame *f = calloc(1, sizeof *f);
     if (!f)
         return; /* the next tick tries again */
-    if (c->target) {
-        tcp_put_resp(f->hdr, &(tcp_resp){.kind = R_ALIVE});
-        f->hdrlen = RESP_SIZE;
-    } else {
-        tcp_put_req(f->hdr, &(tcp_req){.op = W_PING});
-        f->hdrlen = REQ_SIZE;
-        f->opcode = OP_PING;
-    }
+    tcp_put_req(f->hdr, &(tcp_req){.op = W_PING});
+    f->hdrlen = REQ_SIZE;
+    f->opcode = OP_PING;
     tcp_append_locked(c, f, f, 1);
     tcp_flush_locked(a, c);
 }
@@ -216,7 +210,7 @@ static int check_frames(tcp_op *op, int opcode, uint64_t op_id, const hx_sge *sg
  * on loopback they mostly arrive within that, and two wake-ups (the I/O
  * thread's, then the event loop's) are saved. Not in the latency mode,
  * where the I/O thread polls already. */
-void tcp_flush(hx_peer *p)
+static void tcp_flush(hx_peer *p)
 {
     conn *c = (conn *)p;
     hx_agent *a = p->agent;
@@ -249,7 +243,57 @@ void tcp_flush(hx_peer *p)
     pthread_mutex_unlock(&c->lock);
 }
 
-int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n)
+/* The request frames of one piece (local bytes at `local`), appended to
+ * first..last; HX_E_NOMEM when one cannot be made. */
+static int piece_frames(tcp_op *op, int opcode, const hx_sge *s, uint8_t *local, frame **first, frame **last,
+                        int *count)
+{
+    for (uint64_t off = 0; off < s->len; off += HX_TCP_CHUNK) {
+        uint64_t len = s->len - off < HX_TCP_CHUNK ? s->len - off : HX_TCP_CHUNK;
+        frame *f = calloc(1, sizeof *f);
+        if (!f)
+            return HX_E_NOMEM;
+        tcp_put_req(f->hdr, &(tcp_req){.op = opcode == HX_OP_PUT ? W_PUT : W_GET,
+                                       .region = s->remote_region,
+                                       .off = s->remote_off + off,
+                                       .len = len,
+                                       .op_id = op->op_id,
+                                       .key = s->remote_key});
+        f->hdrlen = REQ_SIZE;
+        f->op = op;
+        f->op_id = op->op_id;
+        f->opcode = opcode;
+        f->local = local + off;
+        f->len = len;
+        if (opcode == HX_OP_PUT) {
+            f->data = local + off;
+            f->datalen = len;
+        }
+        if (*last)
+            (*last)->next = f;
+        else
+            *first = f;
+        *last = f;
+        (*count)++;
+    }
+    return HX_OK;
+}
+
+/* Frees an op that was never queued, and the frames made for it. */
+static void op_discard(tcp_op *op, frame *first)
+{
+    while (first) {
+        frame *next = first->next;
+        free(first->owned);
+        free(first);
+        first = next;
+    }
+    for (uint32_t i = 0; i < op->nregions; i++)
+        hx_region_release(op->regions[i]);
+    free(op);
+}
+
+static int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n)
 {
     conn *c = (conn *)p;
     hx_agent *a = p->agent;
@@ -272,40 +316,9 @@ int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_
         uint8_t *local;
         rc = hx_region_acquire(a, sges[i].local_region, sges[i].local_off, sges[i].len, 0, &local,
                                &op->regions[op->nregions]);
-        if (rc != HX_OK)
-            break;
-        op->nregions++;
-        for (uint64_t off = 0; off < sges[i].len; off += HX_TCP_CHUNK) {
-            uint64_t len = sges[i].len - off;
-            if (len > HX_TCP_CHUNK)
-                len = HX_TCP_CHUNK;
-            frame *f = calloc(1, sizeof *f);
-            if (!f) {
-                rc = HX_E_NOMEM;
-                break;
-            }
-            tcp_put_req(f->hdr, &(tcp_req){.op = opcode == HX_OP_PUT ? W_PUT : W_GET,
-                                           .region = sges[i].remote_region,
-                                           .off = sges[i].remote_off + off,
-                                           .len = len,
-                                           .op_id = op_id,
-                                           .key = sges[i].remote_key});
-            f->hdrlen = REQ_SIZE;
-            f->op = op;
-            f->op_id = op_id;
-            f->opcode = opcode;
-            f->local = local + off;
-            f->len = len;
-            if (opcode == HX_OP_PUT) {
-                f->data = local + off;
-                f->datalen = len;
-            }
-            if (last)
-                last->next = f;
-            else
-                first = f;
-            last = f;
-            count++;
+        if (rc == HX_OK) {
+            op->nregions++;
+            rc = piece_frames(op, opcode, &sges[i], local, &first, &last, &count);
         }
     }
     if (rc == HX_OK) {
@@ -318,15 +331,7 @@ int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_
         if (rc == HX_POSTED)
             return done_at ? poll_answer(a, c, op_id, done_at, busy_ns) : HX_POSTED;
     }
-    while (first) {
-        frame *next = first->next;
-        free(first->owned);
-        free(first);
-        first = next;
-    }
-    for (uint32_t i = 0; i < op->nregions; i++)
-        hx_region_release(op->regions[i]);
-    free(op);
+    op_discard(op, first);
     return rc;
 }
 
@@ -343,7 +348,7 @@ static int sanitize_remote_status(int32_t s)
     }
 }
 
-void tcp_chunk_done(hx_agent *a, conn *c, frame *f, int status)
+static void chunk_done(hx_agent *a, conn *c, frame *f, int status)
 {
     pthread_mutex_lock(&c->lock);
     c->answered++;
@@ -354,44 +359,63 @@ void tcp_chunk_done(hx_agent *a, conn *c, frame *f, int status)
     tcp_frame_free(a, f, status);
 }
 
-int tcp_initiator_response(hx_agent *a, conn *c)
+/* A response header is complete: it answers the oldest chunk sent. */
+static int response(hx_agent *a, conn *c)
 {
     tcp_resp r;
-    if (tcp_get_resp(c->rhdr, &r) < 0)
-        return -1;
+    if (tcp_get_resp(c->rhdr, &r) != HX_OK)
+        return HX_E_PROTO;
     if (r.kind == R_ALIVE)
-        return r.len == 0 ? 0 : -1; /* the target's heartbeat: answers nothing */
+        return r.len == 0 ? HX_OK : HX_E_PROTO; /* the target's heartbeat: answers nothing */
     pthread_mutex_lock(&c->lock);
     frame *f = c->head;
     bool sent = f && f != c->unsent;
     pthread_mutex_unlock(&c->lock);
-    if (!sent)
-        return -1; /* an answer to nothing we asked */
+    if (!sent || r.op_id != f->op_id)
+        return HX_E_PROTO; /* an answer to nothing we asked */
     int status = sanitize_remote_status(r.status);
-    if (r.op_id != f->op_id)
-        return -1;
-    if (f->opcode == OP_PING) {
-        if (r.kind != R_PONG || r.len != 0)
-            return -1;
-        tcp_chunk_done(a, c, f, HX_OK);
-        return 0;
-    }
-    if (f->opcode == HX_OP_PUT || f->opcode == OP_NOTE) {
-        if (r.kind != R_ACK || r.len != 0)
-            return -1;
-        tcp_chunk_done(a, c, f, status);
-        return 0;
+    if (f->opcode == OP_PING || f->opcode == HX_OP_PUT || f->opcode == OP_NOTE) {
+        int kind = f->opcode == OP_PING ? R_PONG : R_ACK;
+        if (r.kind != kind || r.len != 0)
+            return HX_E_PROTO;
+        chunk_done(a, c, f, f->opcode == OP_PING ? HX_OK : status);
+        return HX_OK;
     }
     if (r.kind != R_DATA || r.len != (status == HX_OK ? f->len : 0))
-        return -1;
+        return HX_E_PROTO;
     if (status != HX_OK) {
-        tcp_chunk_done(a, c, f, status);
-        return 0;
+        chunk_done(a, c, f, status);
+        return HX_OK;
     }
     c->rframe = f;
     c->rdst = f->local;
     c->rlen = r.len;
     c->rdone = 0;
     c->in_payload = true;
-    return 0;
+    return HX_OK;
 }
+
+/* A GET's data has all arrived in place. */
+static int payload_done(hx_agent *a, conn *c)
+{
+    c->in_payload = false;
+    frame *f = c->rframe;
+    c->rframe = NULL;
+    c->rdst = NULL;
+    chunk_done(a, c, f, HX_OK);
+    return HX_OK;
+}
+
+static const hx_peer_ops tcp_ops = {.post = tcp_post,
+                                    .note = tcp_note,
+                                    .flush = tcp_flush,
+                                    .fail = tcp_peer_fail,
+                                    .destroy = tcp_peer_destroy,
+                                    .transport = HX_TRANSPORT_TCP};
+
+const tcp_role tcp_initiator_role = {.target = false,
+                                     .header_size = RESP_SIZE,
+                                     .header = response,
+                                     .payload_done = payload_done,
+                                     .beacon_locked = beacon_locked,
+                                     .peer_ops = &tcp_ops};

@@ -16,19 +16,8 @@
 
 static __thread uint8_t scratch[1 << 16]; /* payloads of refused PUTs go here */
 
-uint64_t tcp_now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-void tcp_io_wake(tcp_io *io)
-{
-    uint64_t one = 1;
-    ssize_t n = write(io->evfd, &one, sizeof one);
-    (void)n;
-}
+/* conn_read's own results beside HX_OK (take on) and the HX_E_* failures. */
+enum { READ_HELD = 1 /* stopped for back-pressure */, READ_DRAINED = 2 /* the socket has no more */ };
 
 /* Caller holds hold_lock. A deadline later than the one set changes nothing. */
 static void set_hold_timer(tcp_io *io, uint64_t deadline, uint64_t now)
@@ -87,27 +76,14 @@ static void flush_held(hx_agent *a)
     }
 }
 
-/* The bytes of a payload that are now complete: hand them on. */
-static int payload_done(hx_agent *a, conn *c)
-{
-    if (c->target)
-        return tcp_target_payload_done(a, c);
-    c->in_payload = false;
-    frame *f = c->rframe;
-    c->rframe = NULL;
-    c->rdst = NULL;
-    tcp_chunk_done(a, c, f, HX_OK);
-    return 0;
-}
-
 /* One receive: into the read-ahead buffer, or, for the rest of a large
  * payload, straight into its place with whatever follows it (the next
  * headers) into the buffer, in one call. Returns bytes read, 0 when the
- * socket is drained, -2 when the connection is gone. */
+ * socket is drained, HX_E_CONNLOST when the connection is gone. */
 static ssize_t receive(conn *c)
 {
     if (!c->rbuf && !(c->rbuf = malloc(RBUF_SIZE)))
-        return -2;
+        return HX_E_CONNLOST;
     struct iovec iov[2];
     int n = 0;
     bool direct = c->in_payload && c->rlen - c->rdone >= RDIRECT;
@@ -125,11 +101,11 @@ static ssize_t receive(conn *c)
     for (;;) {
         ssize_t r = recvmsg(c->fd, &msg, MSG_DONTWAIT);
         if (r == 0)
-            return -2;
+            return HX_E_CONNLOST;
         if (r < 0) {
             if (errno == EINTR)
                 continue;
-            return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -2;
+            return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : HX_E_CONNLOST;
         }
         c->last_rx_ns = tcp_now_ns();
         c->rx_short = (uint64_t)r < offered;
@@ -144,65 +120,74 @@ static ssize_t receive(conn *c)
 static int flush_answers(hx_agent *a, conn *c)
 {
     pthread_mutex_lock(&c->lock);
-    int rc = c->unsent ? tcp_flush_locked(a, c) : 0;
+    int rc = c->unsent ? tcp_flush_locked(a, c) : HX_OK;
     pthread_mutex_unlock(&c->lock);
     return rc;
 }
 
-/* Returns 1 when reading stopped for back-pressure, else as tcp_conn_read. */
+/* The read-ahead buffer is empty: send the answers that are due, then
+ * receive. HX_OK when bytes came, READ_DRAINED, or the failure. */
+static int refill(hx_agent *a, conn *c)
+{
+    /* Answers go out together once the socket is drained (a receive that did
+     * not fill what it offered took all there was), so a burst of requests is
+     * answered in one send and the initiator woken once, not once a receive;
+     * and after ANSWER_BATCH bytes, so none waits long behind new input.
+     * While more frames are announced (REQ_MORE), only after MORE_BATCH bytes. */
+    if (c->reading &&
+        (c->rmore ? c->rx_since_flush >= MORE_BATCH : c->rx_short || c->rx_since_flush >= ANSWER_BATCH)) {
+        int rc = flush_answers(a, c);
+        if (rc != HX_OK)
+            return rc;
+        c->rx_since_flush = 0;
+    }
+    ssize_t r = receive(c);
+    if (r <= 0)
+        return r == 0 ? READ_DRAINED : (int)r;
+    c->rx_since_flush += (uint64_t)r;
+    return HX_OK;
+}
+
+/* Takes what the read-ahead buffer holds: payload bytes into their place, or
+ * header bytes, handing a complete header to the connection's role. */
+static int take_buffered(hx_agent *a, conn *c)
+{
+    uint32_t avail = c->rend - c->rpos;
+    if (c->in_payload) {
+        uint64_t take = c->rlen - c->rdone < avail ? c->rlen - c->rdone : avail;
+        if (c->rdst)
+            memcpy(c->rdst + c->rdone, c->rbuf + c->rpos, take);
+        c->rpos += (uint32_t)take;
+        c->rdone += take;
+        return HX_OK; /* done (or not) at the top of conn_read */
+    }
+    uint32_t size = c->role->header_size;
+    uint32_t take = size - c->rgot < avail ? size - c->rgot : avail;
+    memcpy(c->rhdr + c->rgot, c->rbuf + c->rpos, take);
+    c->rpos += take;
+    c->rgot += take;
+    if (c->rgot < size)
+        return HX_OK;
+    c->rgot = 0;
+    return c->role->header(a, c);
+}
+
+/* Reads until drained (HX_OK), back-pressure (READ_HELD) or a failure. */
 static int conn_read(hx_agent *a, conn *c)
 {
-    uint32_t size = c->target ? REQ_SIZE : RESP_SIZE;
     for (;;) {
-        if (c->in_payload && c->rdone == c->rlen) {
-            int rc = payload_done(a, c);
-            if (rc < 0)
-                return rc;
-            continue;
-        }
-        /* Back-pressure: answer first, or wait for room for the notification.
-         * What the buffer holds meanwhile is taken when reading resumes
-         * (tcp_read_held). */
-        if ((c->target && c->outq >= OUTQ_HIGH) || c->note_held)
-            return 1;
-        if (c->rpos == c->rend) {
-            /* Answers go out together once the socket is drained (a receive
-             * that did not fill what it offered took all there was), so a
-             * burst of requests is answered in one send and the initiator
-             * woken once, not once a receive; and after ANSWER_BATCH bytes,
-             * so none waits long behind new input. While more frames are
-             * announced (REQ_MORE), only after MORE_BATCH bytes. */
-            if (c->reading && (c->rmore ? c->rx_since_flush >= MORE_BATCH
-                                        : c->rx_short || c->rx_since_flush >= ANSWER_BATCH)) {
-                if (flush_answers(a, c) < 0)
-                    return -2;
-                c->rx_since_flush = 0;
-            }
-            ssize_t r = receive(c);
-            if (r <= 0)
-                return (int)r;
-            c->rx_since_flush += (uint64_t)r;
-            continue;
-        }
-        uint32_t avail = c->rend - c->rpos;
-        if (c->in_payload) {
-            uint64_t take = c->rlen - c->rdone < avail ? c->rlen - c->rdone : avail;
-            if (c->rdst)
-                memcpy(c->rdst + c->rdone, c->rbuf + c->rpos, take);
-            c->rpos += (uint32_t)take;
-            c->rdone += take;
-            continue; /* done (or not) at the top */
-        }
-        uint32_t take = size - c->rgot < avail ? size - c->rgot : avail;
-        memcpy(c->rhdr + c->rgot, c->rbuf + c->rpos, take);
-        c->rpos += take;
-        c->rgot += take;
-        if (c->rgot < size)
-            continue;
-        c->rgot = 0;
-        int rc = c->target ? tcp_target_request(a, c) : tcp_initiator_response(a, c);
-        if (rc < 0)
-            return rc;
+        int rc;
+        if (c->in_payload && c->rdone == c->rlen)
+            rc = c->role->payload_done(a, c);
+        else if ((c->target && c->outq >= OUTQ_HIGH) || c->note_held)
+            return READ_HELD; /* answer first, or wait for room for the notification;
+                                 what the buffer holds is taken when reading resumes (read_held) */
+        else if (c->rpos == c->rend)
+            rc = refill(a, c);
+        else
+            rc = take_buffered(a, c);
+        if (rc != HX_OK)
+            return rc == READ_DRAINED ? HX_OK : rc;
     }
 }
 
@@ -213,13 +198,13 @@ int tcp_conn_read(hx_agent *a, conn *c)
     c->reading = false;
     /* Drained while more frames are announced: the answers wait for them
      * (reading stopped for back-pressure sends them now). */
-    c->tx_held = rc == 0 && c->target && c->rmore && c->rx_since_flush < MORE_BATCH;
+    c->tx_held = rc == HX_OK && c->target && c->rmore && c->rx_since_flush < MORE_BATCH;
     if (c->tx_held)
-        return 0;
+        return HX_OK;
     c->rx_since_flush = 0;
-    if (rc >= 0 && c->target && flush_answers(a, c) < 0)
-        rc = -2;
-    return rc < 0 ? rc : 0;
+    if (rc >= 0 && c->target)
+        rc = flush_answers(a, c);
+    return rc < 0 ? rc : HX_OK;
 }
 
 /* Applies failures asked for by other threads and frees what is finished. */
@@ -287,7 +272,7 @@ static void heartbeat(hx_agent *a)
         else if (since(now, c->last_rx_ns) > t->hb_timeout_ns)
             atomic_store(&c->fail_req, HX_E_SILENT);
         if (since(now, c->last_tx_ns) >= t->hb_interval_ns && !c->unsent)
-            tcp_beacon_locked(a, c);
+            c->role->beacon_locked(a, c);
         pthread_mutex_unlock(&c->lock);
     }
     pthread_mutex_unlock(&t->lock);
@@ -299,7 +284,7 @@ static void heartbeat(hx_agent *a)
 static int read_held(hx_agent *a, conn *c)
 {
     if (c->rpos == c->rend || c->broken)
-        return 0;
+        return HX_OK;
     pthread_mutex_lock(&c->rx_lock);
     int rc = tcp_conn_read(a, c);
     pthread_mutex_unlock(&c->rx_lock);
@@ -314,13 +299,11 @@ static void resume_notes(hx_agent *a)
     for (conn *c = t->io->conns; c; c = c->next_all) {
         if (c->broken || !c->note_held)
             continue;
-        if (tcp_target_note_retry(a, c) < 0) {
-            atomic_store(&c->fail_req, HX_E_CONNLOST);
-            continue;
-        }
-        int rc = read_held(a, c);
+        int rc = c->role->note_retry(a, c);
+        if (rc == HX_OK)
+            rc = read_held(a, c);
         if (rc < 0) {
-            atomic_store(&c->fail_req, rc == -1 ? HX_E_PROTO : HX_E_CONNLOST);
+            atomic_store(&c->fail_req, rc);
             continue;
         }
         pthread_mutex_lock(&c->lock);
@@ -330,186 +313,264 @@ static void resume_notes(hx_agent *a)
     pthread_mutex_unlock(&t->lock);
 }
 
+/* What the I/O thread keeps from one round of its loop to the next. */
+typedef struct {
+    uint64_t spin_ns; /* Agent(busy_poll_us=...): poll this long after activity before blocking */
+    uint64_t active_until, next_stall_check, next_beat;
+    bool watch; /* payloads in flight or target conns: the stall check runs */
+} io_clock;
+
+static bool has_conns(tcp_agent *t)
+{
+    pthread_mutex_lock(&t->lock);
+    bool any = t->io->conns != NULL;
+    pthread_mutex_unlock(&t->lock);
+    return any;
+}
+
+/* How long epoll_wait may block, in ms (-1: until woken). In the latency
+ * mode a spin after activity saves the wake-up of a blocked thread for the
+ * next frame; otherwise, and once idle, the thread blocks, waking only for
+ * heartbeats and the stall check while it has connections. Off by default:
+ * on two cores a polling thread takes the core the other side needs, and an
+ * idle agent must cost nothing. */
+static int wait_timeout(tcp_agent *t, io_clock *k)
+{
+    k->watch = t->io->payloads || atomic_load(&t->io->targets);
+    int timeout = tcp_now_ns() < k->active_until ? 0 : (k->watch ? 1000 : -1);
+    if (timeout == 0 || !t->hb_interval_ns || !has_conns(t))
+        return timeout;
+    uint64_t now = tcp_now_ns();
+    int beat_ms = k->next_beat > now ? (int)((k->next_beat - now) / 1000000) + 1 : 0;
+    return timeout < 0 || beat_ms < timeout ? beat_ms : timeout;
+}
+
+/* The socket is readable (or broke): read it; an initiator's puts held for a
+ * flush whose event loop is busy go out too. */
+static int on_input(hx_agent *a, conn *c)
+{
+    pthread_mutex_lock(&c->rx_lock);
+    int rc = tcp_conn_read(a, c);
+    pthread_mutex_unlock(&c->rx_lock);
+    if (rc != HX_OK)
+        return rc;
+    pthread_mutex_lock(&c->lock);
+    if (c->target)
+        tcp_update_interest(a, c);
+    else if (c->unsent)
+        rc = tcp_flush_io(a, c);
+    pthread_mutex_unlock(&c->lock);
+    return rc;
+}
+
+/* The socket has room: send; a target reads again once its answers went. */
+static int on_output(hx_agent *a, conn *c)
+{
+    pthread_mutex_lock(&c->lock);
+    int rc = tcp_flush_io(a, c);
+    pthread_mutex_unlock(&c->lock);
+    if (rc != HX_OK || !c->target)
+        return rc;
+    if (c->outq < OUTQ_HIGH && (rc = read_held(a, c)) != HX_OK)
+        return rc;
+    pthread_mutex_lock(&c->lock);
+    tcp_update_interest(a, c);
+    pthread_mutex_unlock(&c->lock);
+    return HX_OK;
+}
+
+/* One epoll event. Returns whether a sweep is due (a connection failed, or
+ * a wake asked for one). */
+static bool on_event(hx_agent *a, const struct epoll_event *ev)
+{
+    tcp_io *io = T(a)->io;
+    uint64_t v;
+    if (!ev->data.ptr) { /* a wake (tcp_io_wake) */
+        ssize_t r = read(io->evfd, &v, sizeof v);
+        (void)r;
+        return true;
+    }
+    if (ev->data.ptr == &io->tfd) {
+        ssize_t r = read(io->tfd, &v, sizeof v);
+        (void)r;
+        flush_held(a);
+        return true; /* a failed flush asked for a failure */
+    }
+    conn *c = ev->data.ptr;
+    if (c->broken)
+        return false;
+    /* A failure asked for (a local close) wins over what the socket says. */
+    int rc = atomic_exchange(&c->fail_req, 0);
+    if (rc == HX_OK && (ev->events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)))
+        rc = on_input(a, c);
+    if (rc == HX_OK && (ev->events & EPOLLOUT))
+        rc = on_output(a, c);
+    if (rc == HX_OK)
+        return false;
+    tcp_conn_fail(a, c, rc);
+    return true;
+}
+
+/* What is due by the clock, or asked for: held notifications, heartbeats,
+ * the stall check. Returns whether a sweep is due. */
+static bool periodic(hx_agent *a, io_clock *k)
+{
+    tcp_agent *t = T(a);
+    bool sweep_needed = false;
+    if (atomic_exchange(&t->io->note_space, false))
+        resume_notes(a);
+    if (t->hb_interval_ns && tcp_now_ns() >= k->next_beat) {
+        heartbeat(a);
+        /* a quarter interval: silence is seen within a quarter of it */
+        k->next_beat = tcp_now_ns() + t->hb_interval_ns / 4;
+        sweep_needed = true;
+    }
+    if (k->watch && tcp_now_ns() >= k->next_stall_check) {
+        cut_stalled(a);
+        k->next_stall_check = tcp_now_ns() + 1000000000ull;
+        sweep_needed = true;
+    }
+    return sweep_needed;
+}
+
+/* The thread ends (shut down, or epoll failed with err): from now on no
+ * connection is taken, and every one fails (target ones are freed). */
+static void io_exit(hx_agent *a, int err)
+{
+    tcp_agent *t = T(a);
+    pthread_mutex_lock(&t->lock);
+    t->io->stopped = true;
+    t->io->error = err;
+    /* After a failure the connections are lost to us; err is said to
+     * whoever connects next (tcp_io_add), synchronously, with its errno. */
+    for (conn *c = t->io->conns; c; c = c->next_all)
+        tcp_conn_fail(a, c, err ? HX_E_CONNLOST : HX_E_CLOSED);
+    pthread_mutex_unlock(&t->lock);
+    sweep(a);
+}
+
 static void *io_main(void *arg)
 {
     hx_agent *a = arg;
     tcp_agent *t = T(a);
     tcp_io *io = t->io;
     struct epoll_event evs[64];
-    uint64_t active_until = 0, next_stall_check = 0, next_beat = 0;
-    /* Agent(busy_poll_us=...): poll this long after activity before
-     * blocking. Off by default: on two cores a polling thread takes the core
-     * the other side needs, and an idle agent must cost nothing. */
-    uint64_t spin_ns = t->busy_ns;
+    io_clock k = {.spin_ns = t->busy_ns};
+    int err = 0;
     while (!atomic_load(&io->stop)) {
-        /* In the latency mode a spin after activity saves the wake-up of a
-         * blocked thread for the next frame; otherwise, and once idle, the
-         * thread blocks, waking only for heartbeats and the stall check
-         * while it has connections. */
-        bool watch = io->payloads || atomic_load(&io->targets);
-        int timeout = tcp_now_ns() < active_until ? 0 : (watch ? 1000 : -1);
-        if (timeout != 0 && t->hb_interval_ns && io->conns) {
-            uint64_t now = tcp_now_ns();
-            int beat_ms = next_beat > now ? (int)((next_beat - now) / 1000000) + 1 : 0;
-            if (timeout < 0 || beat_ms < timeout)
-                timeout = beat_ms;
-        }
-        int n = epoll_wait(io->epfd, evs, 64, timeout);
+        int timeout = wait_timeout(t, &k);
+        int n = hx_fault(HX_FAULT_EPOLL_WAIT)
+                    ? (errno = EBADF, -1)
+                    : epoll_wait(io->epfd, evs, (int)(sizeof evs / sizeof *evs), timeout);
+        if (n < 0 && errno == EINTR)
+            continue;
         if (n < 0) {
-            if (errno == EINTR)
-                continue;
+            err = errno; /* no event can be seen any more: the connections fail with it */
             break;
         }
         if (n > 0)
-            active_until = tcp_now_ns() + spin_ns;
+            k.active_until = tcp_now_ns() + k.spin_ns;
         else if (timeout == 0)
             sched_yield(); /* spinning: let the application's threads have the core */
         bool sweep_needed = false;
-        for (int i = 0; i < n; i++) {
-            conn *c = evs[i].data.ptr;
-            if (!c) {
-                uint64_t v;
-                ssize_t r = read(io->evfd, &v, sizeof v);
-                (void)r;
-                sweep_needed = true;
-                continue;
-            }
-            if (evs[i].data.ptr == &io->tfd) {
-                uint64_t v;
-                ssize_t r = read(io->tfd, &v, sizeof v);
-                (void)r;
-                flush_held(a);
-                sweep_needed = true; /* a failed flush asked for a failure */
-                continue;
-            }
-            if (c->broken)
-                continue;
-            /* A failure asked for (a local close) wins over what the socket says. */
-            int req = atomic_exchange(&c->fail_req, 0);
-            if (req) {
-                tcp_conn_fail(a, c, req);
-                sweep_needed = true;
-                continue;
-            }
-            uint32_t e = evs[i].events;
-            if (e & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
-                pthread_mutex_lock(&c->rx_lock);
-                int rc = tcp_conn_read(a, c);
-                pthread_mutex_unlock(&c->rx_lock);
-                if (rc < 0) {
-                    tcp_conn_fail(a, c, rc == -1 ? HX_E_PROTO : HX_E_CONNLOST);
-                    sweep_needed = true;
-                    continue;
-                }
-                pthread_mutex_lock(&c->lock);
-                if (c->target)
-                    tcp_update_interest(a, c);
-                else if (c->unsent)
-                    rc = tcp_flush_io(a, c); /* puts held for a flush whose event loop is busy */
-                pthread_mutex_unlock(&c->lock);
-                if (rc < 0) {
-                    tcp_conn_fail(a, c, HX_E_CONNLOST);
-                    sweep_needed = true;
-                    continue;
-                }
-            }
-            if (e & EPOLLOUT) {
-                pthread_mutex_lock(&c->lock);
-                int rc = tcp_flush_io(a, c);
-                pthread_mutex_unlock(&c->lock);
-                if (rc < 0) {
-                    tcp_conn_fail(a, c, HX_E_CONNLOST);
-                    sweep_needed = true;
-                    continue;
-                }
-                if (c->target && c->outq < OUTQ_HIGH && (rc = read_held(a, c)) < 0) {
-                    tcp_conn_fail(a, c, rc == -1 ? HX_E_PROTO : HX_E_CONNLOST);
-                    sweep_needed = true;
-                    continue;
-                }
-                if (c->target) {
-                    pthread_mutex_lock(&c->lock);
-                    tcp_update_interest(a, c);
-                    pthread_mutex_unlock(&c->lock);
-                }
-            }
-        }
-        if (atomic_exchange(&io->note_space, false))
-            resume_notes(a);
-        if (t->hb_interval_ns && tcp_now_ns() >= next_beat) {
-            heartbeat(a);
-            /* a quarter interval: silence is seen within a quarter of it */
-            next_beat = tcp_now_ns() + t->hb_interval_ns / 4;
-            sweep_needed = true;
-        }
-        if (watch && tcp_now_ns() >= next_stall_check) {
-            cut_stalled(a);
-            next_stall_check = tcp_now_ns() + 1000000000ull;
-            sweep_needed = true;
-        }
-        if (sweep_needed)
+        for (int i = 0; i < n; i++)
+            sweep_needed |= on_event(a, &evs[i]);
+        if (periodic(a, &k) || sweep_needed)
             sweep(a);
     }
-    /* Stopping: every connection fails as closed, target ones are freed. */
-    pthread_mutex_lock(&t->lock);
-    for (conn *c = io->conns; c; c = c->next_all)
-        tcp_conn_fail(a, c, HX_E_CLOSED);
-    pthread_mutex_unlock(&t->lock);
-    sweep(a);
+    io_exit(a, err);
     return NULL;
 }
 
-tcp_io *tcp_io_get(hx_agent *a, int *status)
+static void io_close(tcp_io *io)
+{
+    if (io->epfd >= 0)
+        close(io->epfd);
+    if (io->evfd >= 0)
+        close(io->evfd);
+    if (io->tfd >= 0)
+        close(io->tfd);
+    pthread_mutex_destroy(&io->hold_lock);
+    free(io);
+}
+
+/* Makes the I/O state and starts the thread. Caller holds t->lock. */
+static tcp_io *io_start(hx_agent *a, int *status)
 {
     tcp_agent *t = T(a);
-    pthread_mutex_lock(&t->lock);
-    tcp_io *io = t->io;
-    if (io) {
-        if (io->stopped) {
-            *status = HX_E_CLOSED;
-            io = NULL;
-        }
-        pthread_mutex_unlock(&t->lock);
-        return io;
-    }
-    *status = HX_E_SYS;
-    io = calloc(1, sizeof *io);
+    *status = HX_E_NOMEM;
+    tcp_io *io = calloc(1, sizeof *io);
     if (!io)
-        goto fail;
+        return NULL;
+    *status = HX_E_SYS;
+    pthread_mutex_init(&io->hold_lock, NULL);
+    atomic_init(&io->hold_armed, false);
+    atomic_init(&io->stop, false);
+    atomic_init(&io->targets, 0);
     io->epfd = epoll_create1(EPOLL_CLOEXEC);
     io->evfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     io->tfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
-    if (io->epfd < 0 || io->evfd < 0 || io->tfd < 0)
-        goto fail;
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
     struct epoll_event tev = {.events = EPOLLIN, .data.ptr = &io->tfd};
-    if (epoll_ctl(io->epfd, EPOLL_CTL_ADD, io->evfd, &ev) < 0 ||
-        epoll_ctl(io->epfd, EPOLL_CTL_ADD, io->tfd, &tev) < 0)
-        goto fail;
-    atomic_init(&io->hold_armed, false);
-    pthread_mutex_init(&io->hold_lock, NULL);
-    atomic_init(&io->stop, false);
-    atomic_init(&io->targets, 0);
-    t->io = io;
+    if (io->epfd < 0 || io->evfd < 0 || io->tfd < 0 ||
+        epoll_ctl(io->epfd, EPOLL_CTL_ADD, io->evfd, &ev) < 0 ||
+        epoll_ctl(io->epfd, EPOLL_CTL_ADD, io->tfd, &tev) < 0) {
+        io_close(io);
+        return NULL;
+    }
+    t->io = io; /* the thread reads it */
     if (pthread_create(&io->thread, NULL, io_main, a) != 0) {
         t->io = NULL;
-        goto fail;
+        io_close(io);
+        return NULL;
     }
     pthread_setname_np(io->thread, "hixl-tcp-io"); /* top -H, perf: which thread is which */
-    pthread_mutex_unlock(&t->lock);
     return io;
-fail:
-    if (io) {
-        if (io->epfd >= 0)
-            close(io->epfd);
-        if (io->evfd >= 0)
-            close(io->evfd);
-        if (io->tfd >= 0)
-            close(io->tfd);
-        free(io);
+}
+
+/* Why a stopped thread takes no connection: the agent shut down, or the
+ * thread failed (HX_E_SYS, with its errno). */
+static int stopped_status(tcp_io *io)
+{
+    errno = io->error;
+    return io->error ? HX_E_SYS : HX_E_CLOSED;
+}
+
+conn *tcp_io_add(hx_agent *a, int fd, const tcp_role *role, uint64_t session, int *status)
+{
+    tcp_agent *t = T(a);
+    pthread_mutex_lock(&t->lock);
+    tcp_io *io = t->io ? t->io : io_start(a, status);
+    conn *c = NULL;
+    if (io && io->stopped)
+        *status = stopped_status(io);
+    else if (io && !(c = tcp_conn_new(a, fd, role, session)))
+        *status = HX_E_NOMEM;
+    else if (io) {
+        c->next_all = io->conns;
+        io->conns = c;
+        if (role->target)
+            atomic_fetch_add(&io->targets, 1);
+        /* Added to epoll last: from here on the I/O thread may use it. */
+        struct epoll_event ev = {.events = c->events, .data.ptr = c};
+        *status = epoll_ctl(io->epfd, EPOLL_CTL_ADD, fd, &ev) < 0 ? HX_E_SYS : HX_OK;
+        if (*status != HX_OK) {
+            io->conns = c->next_all;
+            if (role->target)
+                atomic_fetch_sub(&io->targets, 1);
+            tcp_conn_destroy(c);
+            c = NULL;
+        }
     }
+    int err = errno;
     pthread_mutex_unlock(&t->lock);
-    return NULL;
+    errno = err;
+    /* The I/O thread may be blocked without a timeout, chosen while it had no
+     * connection: it must start this one's heartbeats (and so see a peer that
+     * never answers) even if no byte ever arrives on it. */
+    if (c)
+        tcp_io_wake(io);
+    return c;
 }
 
 /* Stops the I/O thread, failing every tcp op with HX_E_CLOSED. */
@@ -520,9 +581,12 @@ static void tcp_shutdown(hx_agent *a)
         return;
     pthread_mutex_lock(&t->lock);
     tcp_io *io = t->io;
-    bool join = io && !io->stopped;
+    /* A thread that failed has ended, but is joined here too. stopped is the
+     * thread's own to set (io_exit): until then it frees what Python lets go,
+     * from then on Python does (tcp_peer_destroy), never both at once. */
+    bool join = io && !io->joined;
     if (join)
-        io->stopped = true;
+        io->joined = true;
     pthread_mutex_unlock(&t->lock);
     if (!join)
         return;
@@ -545,11 +609,7 @@ static void io_free(hx_agent *a)
         tcp_conn_destroy(c);
         c = next;
     }
-    close(io->epfd);
-    close(io->evfd);
-    close(io->tfd);
-    pthread_mutex_destroy(&io->hold_lock);
-    free(io);
+    io_close(io);
     T(a)->io = NULL;
 }
 

@@ -24,7 +24,7 @@ int hx_tcp_serve_fd(hx_agent *a, int fd, uint64_t session, const uint8_t *first,
     }
     int status;
     /* The first bytes are queued before the I/O thread can see the conn. */
-    conn *c = tcp_conn_add(a, fd, true, session, &status);
+    conn *c = tcp_io_add(a, fd, &tcp_target_role, session, &status);
     if (!c) {
         close(fd);
         free(f ? f->owned : NULL);
@@ -68,7 +68,7 @@ static int enqueue_response(hx_agent *a, conn *c, int kind, int status, uint64_t
     if (!f) {
         if (region)
             hx_region_release(region);
-        return -2;
+        return HX_E_CONNLOST;
     }
     tcp_put_resp(f->hdr, &(tcp_resp){.kind = kind, .status = status, .op_id = op_id, .len = len});
     f->hdrlen = RESP_SIZE;
@@ -77,9 +77,9 @@ static int enqueue_response(hx_agent *a, conn *c, int kind, int status, uint64_t
     f->region = region;
     pthread_mutex_lock(&c->lock);
     tcp_append_locked(c, f, f, 1);
-    int rc = c->reading ? 0 : tcp_flush_locked(a, c);
+    int rc = c->reading ? HX_OK : tcp_flush_locked(a, c);
     pthread_mutex_unlock(&c->lock);
-    return rc < 0 ? -2 : 0;
+    return rc;
 }
 
 /* A notification has all arrived: queue it with the agent, unless the op it
@@ -93,7 +93,7 @@ static int note_done(hx_agent *a, conn *c)
         int rc = hx_note_push(a, c->session, c->note_buf, c->note_len, 0, 0, 0);
         if (rc == HX_E_BUSY) {
             c->note_held = true;
-            return 0;
+            return HX_OK;
         }
         if (rc != HX_OK)
             status = HX_E_REMOTE;
@@ -103,7 +103,7 @@ static int note_done(hx_agent *a, conn *c)
     return enqueue_response(a, c, R_ACK, status, c->note_id, NULL, 0, NULL);
 }
 
-int tcp_target_note_retry(hx_agent *a, conn *c) { return c->note_held ? note_done(a, c) : 0; }
+static int note_retry(hx_agent *a, conn *c) { return c->note_held ? note_done(a, c) : HX_OK; }
 
 static void begin_payload(hx_agent *a, conn *c, const tcp_req *q)
 {
@@ -114,55 +114,67 @@ static void begin_payload(hx_agent *a, conn *c, const tcp_req *q)
     T(a)->io->payloads++;
 }
 
+/* A notification's header: its message is received into note_buf. */
+static int note_request(hx_agent *a, conn *c, const tcp_req *q)
+{
+    c->rnote = true;
+    c->note_id = q->op_id;
+    c->note_dep = q->off;
+    c->note_len = (uint32_t)q->len;
+    if (q->len == 0)
+        return note_done(a, c);
+    c->rdst = c->note_buf;
+    c->rregion = NULL;
+    begin_payload(a, c, q);
+    return HX_OK;
+}
+
+/* A CHECK's header: its entries are received, then checked (payload_done). */
+static int check_request(hx_agent *a, conn *c, const tcp_req *q)
+{
+    c->rcheck = malloc(q->len);
+    if (!c->rcheck)
+        return HX_E_CONNLOST;
+    c->rcheck_op = q->region;
+    c->rstatus = HX_OK;
+    c->rregion = NULL;
+    c->rdst = c->rcheck;
+    begin_payload(a, c, q);
+    return HX_OK;
+}
+
+/* A piece of an op an earlier piece of which failed its check: nothing of it lands. */
+static int refused_request(hx_agent *a, conn *c, const tcp_req *q)
+{
+    if (q->op == W_GET)
+        return enqueue_response(a, c, R_DATA, c->refuse_status, q->op_id, NULL, 0, NULL);
+    c->rstatus = c->refuse_status;
+    c->rregion = NULL;
+    c->rdst = NULL;
+    begin_payload(a, c, q);
+    return HX_OK;
+}
+
 /* A request header is complete: check it, then set up its payload or answer it. */
-int tcp_target_request(hx_agent *a, conn *c)
+static int request(hx_agent *a, conn *c)
 {
     tcp_req q;
-    if (tcp_get_req(c->rhdr, &q) < 0)
-        return -1;
+    int rc = tcp_get_req(c->rhdr, &q);
+    if (rc != HX_OK)
+        return rc;
     c->rmore = c->rhdr[REQ_FLAGS] & REQ_MORE;
     if (q.op == W_PING)
         return enqueue_response(a, c, R_PONG, HX_OK, q.op_id, NULL, 0, NULL);
-    if (q.op == W_NOTE) {
-        c->rnote = true;
-        c->note_id = q.op_id;
-        c->note_dep = q.off;
-        c->note_len = (uint32_t)q.len;
-        if (q.len == 0)
-            return note_done(a, c);
-        c->rdst = c->note_buf;
-        c->rregion = NULL;
-        c->rlen = q.len;
-        c->rdone = 0;
-        c->in_payload = true;
-        T(a)->io->payloads++;
-        return 0;
-    }
+    if (q.op == W_NOTE)
+        return note_request(a, c, &q);
     uint8_t *ptr = NULL;
     hx_region *r = NULL;
     if (c->refusing && q.op_id != c->refuse_op_id)
         c->refusing = false; /* the refused op's frames are over */
-    if (q.op == W_CHECK) {
-        c->rcheck = malloc(q.len);
-        if (!c->rcheck)
-            return -2;
-        c->rcheck_op = q.region;
-        c->rstatus = HX_OK;
-        c->rregion = NULL;
-        c->rdst = c->rcheck;
-        begin_payload(a, c, &q);
-        return 0;
-    }
-    if (c->refusing) {
-        /* An earlier piece of this op failed its check: nothing of it lands. */
-        if (q.op == W_GET)
-            return enqueue_response(a, c, R_DATA, c->refuse_status, q.op_id, NULL, 0, NULL);
-        c->rstatus = c->refuse_status;
-        c->rregion = NULL;
-        c->rdst = NULL;
-        begin_payload(a, c, &q);
-        return 0;
-    }
+    if (q.op == W_CHECK)
+        return check_request(a, c, &q);
+    if (c->refusing)
+        return refused_request(a, c, &q);
     if (q.op == W_GET) {
         int rc = hx_reg_acquire(&a->regs, q.region, &q.key, q.off, q.len, HX_ACCESS_REMOTE_READ, &ptr, &r);
         if (rc != HX_OK)
@@ -173,7 +185,7 @@ int tcp_target_request(hx_agent *a, conn *c)
     c->rregion = c->rstatus == HX_OK ? r : NULL;
     c->rdst = c->rstatus == HX_OK ? ptr : NULL;
     begin_payload(a, c, &q);
-    return 0;
+    return HX_OK;
 }
 
 static uint32_t get32(const uint8_t *p)
@@ -196,7 +208,8 @@ static int check_entries(hx_agent *a, const uint8_t *e, uint64_t len, uint32_t o
     return HX_OK;
 }
 
-int tcp_target_payload_done(hx_agent *a, conn *c)
+/* A payload has all arrived: a notification's, a CHECK's entries, or a PUT's bytes. */
+static int payload_done(hx_agent *a, conn *c)
 {
     c->in_payload = false;
     T(a)->io->payloads--;
@@ -245,3 +258,22 @@ int hx_tcp_session_alive(hx_agent *a, uint64_t session)
     pthread_mutex_unlock(&t->lock);
     return state;
 }
+
+/* The target's heartbeat: R_ALIVE, which the initiator's matching skips. */
+static void beacon_locked(hx_agent *a, conn *c)
+{
+    frame *f = calloc(1, sizeof *f);
+    if (!f)
+        return; /* the next tick tries again */
+    tcp_put_resp(f->hdr, &(tcp_resp){.kind = R_ALIVE});
+    f->hdrlen = RESP_SIZE;
+    tcp_append_locked(c, f, f, 1);
+    tcp_flush_locked(a, c);
+}
+
+const tcp_role tcp_target_role = {.target = true,
+                                  .header_size = REQ_SIZE,
+                                  .header = request,
+                                  .payload_done = payload_done,
+                                  .note_retry = note_retry,
+                                  .beacon_locked = beacon_locked};

@@ -1,68 +1,17 @@
-/* The tcp transport: one native I/O thread per agent (epoll) serves every tcp
- * connection, in both roles.
+/* The tcp transport, private to tcp/: one native I/O thread per agent (epoll)
+ * serves every connection, in both roles. How it works (framing, ordering,
+ * heartbeats, held bursts, busy polling): docs/tcp.md.
  *
- * Initiator: an op is cut into chunks of at most HX_TCP_CHUNK bytes, each a
- * request frame (a 48-byte header, then for a PUT the payload, sent straight
- * from the source memory with sendmsg). The target answers every request in
- * order, so responses are matched to the oldest outstanding chunk: no address
- * ever comes from the wire.
- *
- * Target: each request is checked against the registry (region alive, bounds,
- * right) before a byte is placed; a PUT payload is received straight into the
- * region, and acknowledged only once it is all there. A refused PUT's payload
- * is read into a scratch buffer and dropped. A frame that breaks the protocol
- * closes that connection and no other.
- *
- * Notifications (W_NOTE) travel on the same connection, after the data of
- * the op they follow, so the target places that data first; the target queues
- * the message with the agent (holding the sender back while the queue is
- * full) and acknowledges it. Heartbeats: the initiator sends W_PING when it
- * has sent nothing for a heartbeat interval (answered R_PONG, in order), the
- * target R_ALIVE (unsolicited, skipped by the matching); a side that hears
- * nothing for the heartbeat timeout fails the connection with HX_E_SILENT,
- * unless it is itself holding the other side back. All of it on the native
- * thread: a blocked event loop stops none of it.
- *
- * Sending: a small op goes out from the posting thread at once. A put of
- * HX_HOLD_MIN..HX_HOLD_MAX posted with HX_OP_HOLD (the asyncio fast path,
- * while ops come in bursts) is only queued; the caller's hx_peer_flush sends
- * the burst together, in as few sendmsg calls as the socket takes: once the
- * burst's first op gets a waiter (gather), else once the event loop's current
- * callbacks have run. Should that loop be blocked, the
- * I/O thread sends them after HOLD_MAX_NS (the hold timer) or once an answer
- * wakes it. What is left over is the I/O thread's, which sends without the
- * connection's lock, so posting never waits on its sendmsg.
- *
- * Reading: every connection reads through a small read-ahead buffer (rbuf);
- * the rest of a large payload is received in place, the bytes after it into
- * the buffer, in one recvmsg. A target sends its answers together once the
- * socket is drained or ANSWER_BATCH bytes came in; while the last request
- * said more frames follow it (REQ_MORE, set by the initiator on every frame
- * that had another queued behind it when it went out), only once MORE_BATCH
- * bytes came in or a frame without it arrived: a burst is answered once, at
- * its end, not each time the target catches up with the sender.
- *
- * A burst flush (hx_peer_flush) that sent everything reads the connection
- * itself for up to FLUSH_POLL_NS, as the latency mode's poster does: on
- * loopback the target has mostly taken the burst by the time its sendmsg
- * returns, so the answers are there within microseconds, and the I/O
- * thread's wake-up and then the event loop's (each ~15-40 us on a VM) are
- * not paid. Python drains the completions right after the flush.
- *
- * Latency mode (busy_ns, Agent(busy_poll_us=...)): the I/O thread polls
- * busy_ns after activity before it blocks, and a thread that posted an op and
- * sent all of it reads the connection itself (rx_lock; the I/O thread stops
- * watching it for input meanwhile) until the op is answered or busy_ns pass;
- * a success it reads ends the op inline (tcp_inline_op). Off, nothing polls:
- * the I/O thread blocks whenever it has nothing to do.
- *
- * Files: wire.c (frame headers), conn.c (connections: send queue, failure,
- * lifetime), initiator.c, target.c, io.c (the I/O thread and the transport's
- * agent state). This header is private to them.
+ * Files, each calling only those after it: initiator.c and target.c (the two
+ * roles), io.c (the I/O thread and the transport's agent state), conn.c
+ * (connections: send queue, failure, lifetime), wire.c (frame headers). io.c
+ * reaches a role only through the connection's tcp_role table.
  */
 #ifndef AIOHIXL_TCP_H
 #define AIOHIXL_TCP_H
 #include "internal.h"
+#include <time.h>
+#include <unistd.h>
 
 #define REQ_SIZE 48
 #define RESP_SIZE 32
@@ -103,6 +52,31 @@ typedef struct tcp_op {
     hx_region *regions[];
 } tcp_op;
 
+typedef struct conn conn;
+
+/* What a connection's role does with what is read on it, and its heartbeat:
+ * tcp_initiator_role (initiator.c), tcp_target_role (target.c). The I/O
+ * thread calls a role only through this table. Hooks that return int return
+ * HX_OK, or the HX_E_* status the connection fails with. */
+typedef struct tcp_role {
+    bool target;
+    uint32_t header_size; /* of what the other side sends: RESP_SIZE to an initiator, REQ_SIZE to a target */
+    /* A header is complete in c->rhdr. */
+    int (*header)(hx_agent *a, conn *c);
+    /* The payload being received (c->in_payload) has all arrived. */
+    int (*payload_done)(hx_agent *a, conn *c);
+    /* The agent's notification queue has room again: a held notification is
+     * queued now (NULL: the role holds none). */
+    int (*note_retry)(hx_agent *a, conn *c);
+    /* Queues a heartbeat frame. Caller holds c->lock. */
+    void (*beacon_locked)(hx_agent *a, conn *c);
+    /* What Python calls on the connection (initiator; NULL for target
+     * connections, which Python never holds). */
+    const hx_peer_ops *peer_ops;
+} tcp_role;
+
+extern const tcp_role tcp_initiator_role, tcp_target_role;
+
 /* One frame on a connection's send queue: a request chunk (initiator) or a
  * response (target). */
 typedef struct frame {
@@ -123,11 +97,12 @@ typedef struct frame {
     uint8_t *owned;    /* data we allocated (the first bytes of a served conn) */
 } frame;
 
-typedef struct conn {
+struct conn {
     hx_peer base; /* initiator conns are the Python-visible peer */
+    const tcp_role *role;
     struct conn *next_all;
     int fd;
-    bool target;
+    bool target; /* role->target, read on every frame */
     uint64_t session;
     pthread_mutex_t lock;
     /* rx_lock: the receive state below, and the socket's reads. Held by the
@@ -180,7 +155,7 @@ typedef struct conn {
     uint64_t refused_op;
     int refused_status;
     uint8_t note_buf[HX_NOTE_MAX];
-} conn;
+};
 
 /* The I/O thread, started with the agent's first tcp connection. */
 typedef struct tcp_io {
@@ -194,8 +169,10 @@ typedef struct tcp_io {
     uint64_t hold_deadline;
     pthread_t thread;
     atomic_bool stop;
-    conn *conns; /* guarded by tcp_agent.lock */
-    bool stopped;
+    conn *conns;  /* guarded by tcp_agent.lock */
+    bool stopped; /* takes no connection any more (shut down, or the thread failed); under the lock */
+    bool joined;  /* tcp_shutdown joined the thread; under the lock */
+    int error;    /* the errno epoll_wait failed with (0: it did not) */
     atomic_bool note_space; /* the agent's notification queue has room again */
 } tcp_io;
 
@@ -218,7 +195,20 @@ typedef struct tcp_agent {
 
 static inline tcp_agent *T(hx_agent *a) { return a->state[HX_TRANSPORT_TCP]; }
 
-uint64_t tcp_now_ns(void);
+static inline uint64_t tcp_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Wakes the I/O thread (its sweep: failures asked for, conns to free). */
+static inline void tcp_io_wake(tcp_io *io)
+{
+    uint64_t one = 1;
+    ssize_t n = write(io->evfd, &one, sizeof one);
+    (void)n;
+}
 
 /* wire.c: frame headers, all integers little endian. A request is magic,
  * op (W_*), region, offset, length (1..HX_TCP_CHUNK), op id and the region's
@@ -238,24 +228,28 @@ typedef struct {
 
 void tcp_put_req(uint8_t *h, const tcp_req *r);
 void tcp_put_resp(uint8_t *h, const tcp_resp *r);
-/* Decode a header; -1 when it breaks the protocol (magic; a request's op or length). */
+/* Decode a header; HX_E_PROTO when it breaks the protocol (magic; a request's op or length). */
 int tcp_get_req(const uint8_t *h, tcp_req *r);
 int tcp_get_resp(const uint8_t *h, tcp_resp *r);
 
 /* conn.c */
-conn *tcp_conn_add(hx_agent *a, int fd, bool target, uint64_t session, int *status);
+/* A connection of this role on fd, not yet known to the I/O thread; NULL when out of memory. */
+conn *tcp_conn_new(hx_agent *a, int fd, const tcp_role *role, uint64_t session);
 void tcp_conn_destroy(conn *c);
+/* The peer ops of an initiator conn: a failure asked for; Python lets go. */
+void tcp_peer_fail(hx_peer *p, int status);
+void tcp_peer_destroy(hx_peer *p);
 /* Ends a connection: every frame fails with status. I/O thread only. */
 void tcp_conn_fail(hx_agent *a, conn *c, int status);
 void tcp_frame_free(hx_agent *a, frame *f, int status);
-/* Caller holds c->lock for these three. */
+/* Caller holds c->lock for this and the flushes below. */
 void tcp_append_locked(conn *c, frame *first, frame *last, uint32_t count);
 /* Busy polling: the op a submitting thread waits for (0: none); set when its
  * success was taken inline instead of through the completion ring. */
 extern __thread uint64_t tcp_inline_op;
 extern __thread bool tcp_inline_done;
-/* Sends what can be sent without blocking, at most budget bytes. Returns 0,
- * or -1 when the connection is broken. */
+/* Sends what can be sent without blocking, at most budget bytes. Returns
+ * HX_OK, or HX_E_CONNLOST when the connection is broken (all three). */
 int tcp_flush_budget(hx_agent *a, conn *c, uint64_t budget);
 int tcp_flush_locked(hx_agent *a, conn *c);
 /* The I/O thread's flush: the lock is let go while each sendmsg runs, so a
@@ -263,36 +257,18 @@ int tcp_flush_locked(hx_agent *a, conn *c);
 int tcp_flush_io(hx_agent *a, conn *c);
 void tcp_update_interest(hx_agent *a, conn *c);
 
-/* initiator.c */
-int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n);
-void tcp_flush(hx_peer *p);
-int tcp_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len);
-/* Queues a heartbeat frame (either side). Caller holds c->lock. */
-void tcp_beacon_locked(hx_agent *a, conn *c);
-/* A response header is complete. Returns -1 to fail with a protocol error. */
-int tcp_initiator_response(hx_agent *a, conn *c);
-void tcp_chunk_done(hx_agent *a, conn *c, frame *f, int status);
-
-/* target.c: a request header is complete; a PUT payload has all arrived.
- * Both return -1 to fail with a protocol error, -2 when the connection is gone. */
-int tcp_target_request(hx_agent *a, conn *c);
-int tcp_target_payload_done(hx_agent *a, conn *c);
-/* Tries again to queue a held notification; same returns. */
-int tcp_target_note_retry(hx_agent *a, conn *c);
-
 /* io.c */
-/* Reads until the socket is drained; caller holds c->rx_lock. Returns -1 to
- * fail with a protocol error, -2 when the connection is gone, 0 otherwise. */
+/* Reads until the socket is drained; caller holds c->rx_lock. Returns HX_OK,
+ * or the status the connection fails with (HX_E_PROTO, HX_E_CONNLOST). */
 int tcp_conn_read(hx_agent *a, conn *c);
-/* The I/O thread, started on first use; NULL with *status when it cannot be. */
-tcp_io *tcp_io_get(hx_agent *a, int *status);
-void tcp_io_wake(tcp_io *io);
+/* A connection of this role on fd, handed to the I/O thread (started on
+ * first use); NULL with *status when it cannot be (fd is the caller's then). */
+conn *tcp_io_add(hx_agent *a, int fd, const tcp_role *role, uint64_t session, int *status);
 /* The backstop of held puts: unless the caller flushed them within
  * HOLD_MAX_NS, the I/O thread sends them. Arms the timer when it is idle; a
  * flush leaves it set (a system call each way costs a burst more than the
  * timer firing now and then, finding nothing old held and setting itself
  * for the oldest held put, if any). */
 void tcp_hold_arm(tcp_io *io);
-uint64_t tcp_now_ns(void);
 
 #endif

@@ -51,7 +51,7 @@ void tcp_put_resp(uint8_t *h, const tcp_resp *r)
 int tcp_get_req(const uint8_t *h, tcp_req *r)
 {
     if (get32(h) != WIRE_MAGIC)
-        return -1;
+        return HX_E_PROTO;
     r->op = h[4];
     r->region = get32(h + 8);
     r->off = get64(h + 16);
@@ -61,27 +61,27 @@ int tcp_get_req(const uint8_t *h, tcp_req *r)
     switch (r->op) {
     case W_PUT:
     case W_GET:
-        return r->len == 0 || r->len > HX_TCP_CHUNK ? -1 : 0;
+        return r->len == 0 || r->len > HX_TCP_CHUNK ? HX_E_PROTO : HX_OK;
     case W_CHECK:
         if (r->len == 0 || r->len > HX_TCP_CHUNK || r->len % CHECK_ENTRY)
-            return -1;
-        return r->region == W_PUT || r->region == W_GET ? 0 : -1;
+            return HX_E_PROTO;
+        return r->region == W_PUT || r->region == W_GET ? HX_OK : HX_E_PROTO;
     case W_NOTE:
-        return r->len > HX_NOTE_MAX ? -1 : 0;
+        return r->len > HX_NOTE_MAX ? HX_E_PROTO : HX_OK;
     case W_PING:
-        return r->len != 0 ? -1 : 0;
+        return r->len != 0 ? HX_E_PROTO : HX_OK;
     default:
-        return -1;
+        return HX_E_PROTO;
     }
 }
 
 int tcp_get_resp(const uint8_t *h, tcp_resp *r)
 {
     if (get32(h) != WIRE_MAGIC)
-        return -1;
+        return HX_E_PROTO;
     r->kind = h[4];
     r->status = (int32_t)get32(h + 8);
     r->op_id = get64(h + 16);
     r->len = get64(h + 24);
-    return 0;
+    return HX_OK;
 }

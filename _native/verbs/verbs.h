@@ -21,7 +21,9 @@
  * completes only after every earlier WRITE of that QP is placed. When the
  * agent's queue is full, received messages are held in their buffers, which
  * are not reposted: once all are held the sender's NIC retries (RNR) and the
- * sender is held back; nothing is dropped.
+ * sender is held back. A full queue drops nothing; a message is dropped (and
+ * counted: hx_note_dropped) only when it cannot be queued for want of memory
+ * (cq.c), or when its session ends while it is still held (qp.c).
  *
  * Files: loader.c (dlopen, symbol table), device.c (open/close, the
  * transport's hooks), mr.c, qp.c (queue-pair states, the peer's fail and

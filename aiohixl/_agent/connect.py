@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 from typing import Protocol
 
 import anyio
@@ -11,7 +10,7 @@ from .. import transports as tr
 from .._control import handshake as c
 from .._control import wire as w
 from .._loop.engine import Engine
-from ..errors import ConnectionLost, ConnectTimeout, InvalidArgument
+from ..errors import ConnectFailed, ConnectionLost, ConnectTimeout, InvalidArgument
 from ..transports.base import AgentView
 from .peer_core import PeerCore, PeersOwner
 
@@ -41,7 +40,7 @@ async def connect(
     ch: c.Channel | None = None
     try:
         with anyio.fail_after(timeout):
-            ch = c.Channel(await anyio.connect_tcp(host, port))
+            ch = c.Channel(await c.connect_tcp(host, port, what))
             info = await c.client_handshake(ch, key, w.ROLE_CONTROL, bytes(16), me, what)
             assert info is not None
             usable = [t for n, t in agent.transports.items() if n in wanted and t.usable_with(info)]
@@ -65,9 +64,14 @@ async def connect(
     except TimeoutError:
         await _abandon(ch, links)
         raise ConnectTimeout(f"{what}: no answer within {timeout} s") from None
+    except ConnectFailed:
+        await _abandon(ch, links)
+        raise
     except c.STREAM_ERRORS as exc:
         await _abandon(ch, links)
-        raise _connect_error(exc, what) from None
+        raise ConnectionLost(
+            f"{what}: the connection broke during the handshake ({exc or type(exc).__name__})"
+        ) from None
     except BaseException:
         await _abandon(ch, links)
         raise
@@ -89,23 +93,6 @@ def transport_names(transports: str | tuple[str, ...], what: str) -> tuple[str, 
     if isinstance(transports, str) or any(t not in tr.NAMES for t in transports):
         raise InvalidArgument(f"{what}: choose 'auto' or a tuple of {tr.NAMES}, not {transports!r}")
     return tuple(transports)
-
-
-def _connect_error(exc: BaseException, what: str) -> ConnectionLost:
-    """ConnectionLost for a failed connect, saying why in words and keeping the errno.
-
-    anyio says "All connection attempts failed" and keeps the real error as the cause.
-    """
-    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
-    errno_ = getattr(cause, "errno", None)
-    if isinstance(cause, ConnectionRefusedError) or errno_ == errno.ECONNREFUSED:
-        err = ConnectionLost(f"{what}: connection refused (nothing listens there)")
-    elif isinstance(cause, OSError) and cause.strerror:
-        err = ConnectionLost(f"{what}: {cause.strerror}")
-    else:
-        err = ConnectionLost(f"{what}: {exc or type(exc).__name__}")
-    err.errno = errno_
-    return err
 
 
 async def _abandon(ch: c.Channel | None, links: list[tr.Link]) -> None:

@@ -43,15 +43,15 @@ class AgentCore:
         self.heartbeat = heartbeat
         self.engine = Engine(max_inflight, copy_threads)
         self.threads = copy_threads
-        self._names: collections.OrderedDict[int, str] = collections.OrderedDict()  # senders, by session key
-        self.inbox = Inbox(self.engine, max_notifications, self._sender_name)
+        # senders' (name, agent id), by session key
+        self._names: collections.OrderedDict[int, tuple[str, bytes]] = collections.OrderedDict()
+        self.inbox = Inbox(self.engine, max_notifications, self._sender)
         self.engine.on_wake = self.inbox.pull
         self.transports = tr.make(self, allowed, {**transport_options, "heartbeat": heartbeat})
         self.regions = Regions(self)
         self.peers: set[PeerCore] = set()
         self.listener: Listener | None = None
         self.closed = False
-        self._stats = ffi.new("hx_stats *")
 
     def check_open(self, what: str) -> None:
         if self.closed:
@@ -110,18 +110,18 @@ class AgentCore:
             raise OSError(exc.errno, f"Agent.start: cannot listen on {host}:{port}: {exc.strerror}") from None
         self.listener = listener
 
-    def _sender_name(self, source: int) -> str | None:
-        return self.name if source == 0 else self._names.get(source)
+    def _sender(self, source: int) -> tuple[str, bytes] | tuple[None, None]:
+        return (self.name, self.id) if source == 0 else self._names.get(source, (None, None))
 
-    def _on_session(self, sid: bytes, name: str) -> None:
-        self._names[int.from_bytes(sid[:8], "little")] = name
+    def _on_session(self, sid: bytes, name: str, agent_id: bytes) -> None:
+        self._names[int.from_bytes(sid[:8], "little")] = (name, agent_id)
         while len(self._names) > 4096:  # names of ended sessions go, oldest first
             self._names.popitem(last=False)
 
     # ---- stats ----
 
     def stats(self) -> dict[str, Any]:
-        out = self._stats
+        out = ffi.new("hx_stats *")  # one per call: callers on two threads never share it
         lib.hx_agent_stats(self.engine.native, out)
         transports = {}
         for i, name in enumerate(_STAT_TRANSPORTS):
@@ -142,6 +142,7 @@ class AgentCore:
     async def aclose(self) -> None:
         if self.closed:
             return
+        self.engine.check_loop("Agent.aclose")
         self.closed = True
         self.engine.closing()
         self.inbox.close()

@@ -17,7 +17,7 @@ from ..descriptor import RegionInfo, encode_info
 from ..errors import InvalidArgument, RegionUnavailable
 from ..memkinds import Pinned, pin
 from ..memkinds.memfd import allocate as allocate_memfd
-from ..memory import Access, Region
+from ..memory import Access, Region, parse_access
 from ..remote import RemoteRegion
 from ..transports import Transport
 
@@ -47,9 +47,10 @@ class Regions:
 
     # ---- registering ----
 
-    def pin(self, obj: Any, access: Access | None, name: str | None, what: str) -> tuple[Pinned, Access]:
+    def pin(self, obj: Any, access: Access | str | None, name: str | None, what: str) -> tuple[Pinned, Access]:
         self._core.check_open(what)
-        check_region_args(access, name, what)
+        self._core.engine.check_loop(what)
+        access = check_region_args(access, name, what)
         pinned = pin(obj, what)
         if access is None:
             access = Access.NONE  # nothing a peer can do unless asked for
@@ -58,14 +59,17 @@ class Regions:
             raise InvalidArgument(f"{what}: {type(obj).__name__} is read-only but access asks for REMOTE_WRITE")
         return pinned, Access(access)
 
-    def memfd(self, nbytes: int, access: Access | None, name: str | None, call: str) -> tuple[Pinned, Access, str]:
+    def memfd(
+        self, nbytes: int, access: Access | str | None, name: str | None, call: str
+    ) -> tuple[Pinned, Access, str]:
         self._core.check_open(call)
+        self._core.engine.check_loop(call)
         what = f"{call}({nbytes!r})"
         if isinstance(nbytes, bool) or not isinstance(nbytes, int):
             raise InvalidArgument(f"{what}: size must be an int, not {type(nbytes).__name__}")
         if nbytes < 0:
             raise InvalidArgument(f"{what}: size must be >= 0")
-        check_region_args(access, name, what)
+        access = check_region_args(access, name, what)
         try:
             pinned = allocate_memfd(nbytes, name)
         except OSError as exc:
@@ -172,6 +176,7 @@ class Regions:
     async def close(self, region: Region) -> None:
         """Region.close(): withdrawn from peers, then removed once no op in flight uses it."""
         core = self._core
+        core.engine.check_loop("Region.close")  # before anything changes
         region.closed = True
         if region.name is not None:
             self.named.pop(region.name, None)
@@ -213,12 +218,12 @@ class Regions:
         return len(self.by_id)
 
 
-def check_region_args(access: Any, name: Any, what: str) -> None:
-    """``access`` and ``name`` of register()/allocate(), checked before anything is pinned."""
-    if access is not None:
-        if isinstance(access, bool) or not isinstance(access, int):
-            raise InvalidArgument(f"{what}: access must be Access flags, not {type(access).__name__}")
-        if int(access) & ~int(Access.REMOTE_READ | Access.REMOTE_WRITE) or int(access) < 0:
-            raise InvalidArgument(f"{what}: access={int(access):#x} has bits outside REMOTE_READ|REMOTE_WRITE")
+def check_region_args(access: Any, name: Any, what: str) -> Access | None:
+    """``access`` (flags or words, as parse_access takes) and ``name`` of register()/allocate(),
+    checked before anything is pinned; the access as flags."""
+    access = parse_access(access, what)
+    if access is not None and (int(access) & ~int(Access.REMOTE_READ | Access.REMOTE_WRITE) or int(access) < 0):
+        raise InvalidArgument(f"{what}: access={int(access):#x} has bits outside REMOTE_READ|REMOTE_WRITE")
     if name is not None and not isinstance(name, str):
         raise InvalidArgument(f"{what}: name must be a str, not {type(name).__name__}")
+    return access

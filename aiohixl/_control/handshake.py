@@ -17,6 +17,7 @@ native threads answer: see Session.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
@@ -30,7 +31,7 @@ import anyio
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .._files import read_text
-from ..errors import AuthenticationError, InvalidArgument, ProtocolError
+from ..errors import AuthenticationError, ConnectFailed, InvalidArgument, ProtocolError
 from . import wire as w
 
 log = logging.getLogger("aiohixl")
@@ -83,11 +84,12 @@ async def accept_forever(
             tg.start_soon(one, lst)
 
 
-def resolve_token(token: str | bytes | None, what: str) -> bytes:
+def resolve_token(token: str | bytes | None, what: str, spelled: str = "token=") -> bytes:
+    """``token``, else AIOHIXL_TOKEN; ``spelled``: how the caller gives one (``--token`` on the CLI)."""
     if token is None:
         token = os.environ.get("AIOHIXL_TOKEN")
     if not token:
-        raise InvalidArgument(f"{what}: a shared token is required (token= or AIOHIXL_TOKEN)")
+        raise InvalidArgument(f"{what}: a shared token is required ({spelled} or AIOHIXL_TOKEN)")
     return token.encode() if isinstance(token, str) else bytes(token)
 
 
@@ -96,6 +98,29 @@ def parse_address(address: str, what: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise InvalidArgument(f"{what}: address {address!r} is not 'host:port'")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+async def connect_tcp(host: str, port: int, what: str) -> Any:
+    """``anyio.connect_tcp``; when no connection can be made, ConnectFailed saying why."""
+    try:
+        return await anyio.connect_tcp(host, port)
+    except OSError as exc:
+        raise connect_failed(exc, what) from None
+
+
+def connect_failed(exc: OSError, what: str) -> ConnectFailed:
+    """ConnectFailed for ``exc``, in words, its errno kept."""
+    # anyio says "All connection attempts failed" and keeps the real error as the cause.
+    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+    if isinstance(cause, ConnectionRefusedError) or cause.errno == errno.ECONNREFUSED:
+        words = "connection refused (nothing listens there)"
+    elif isinstance(cause, socket.gaierror):
+        words = f"cannot resolve the host name ({cause.strerror})"
+    else:
+        words = cause.strerror or str(cause) or type(cause).__name__
+    if cause.errno is None:
+        return ConnectFailed(f"{what}: {words}")
+    return ConnectFailed(cause.errno, f"{what}: {words}")
 
 
 @dataclass(frozen=True)
@@ -167,14 +192,21 @@ class Channel:
         async with self.send_lock:
             await self.stream.send(frame)
 
-    async def recv(self, limit: int) -> tuple[int, w.Reader]:
+    async def recv(self, limit: int, first: str | None = None) -> tuple[int, w.Reader]:
+        """The next frame. ``first``: what the other side should be, when this is the first
+        frame it sends; one that speaks another protocol is named as such."""
         head = await self.reader.receive_exactly(w.HEAD_SIZE)
-        n, ftype = w.split_head(head, limit)
+        try:
+            n, ftype = w.split_head(head, limit)
+        except ProtocolError as exc:
+            if first is None:
+                raise
+            raise ProtocolError(f"is this {first}? {w.foreign_head(head)} ({exc})") from None
         body = await self.reader.receive_exactly(n) if n else b""
         return ftype, w.Reader(body, w.NAMES[ftype])
 
-    async def expect(self, ftype: int, limit: int) -> w.Reader:
-        got, r = await self.recv(limit)
+    async def expect(self, ftype: int, limit: int, first: str | None = None) -> w.Reader:
+        got, r = await self.recv(limit, first)
         if got == w.ERROR:
             _raise_error(r)
         if got != ftype:
@@ -244,15 +276,26 @@ def _read_identity(r: w.Reader, session: bytes) -> PeerInfo:
 async def client_handshake(
     ch: Channel, token: bytes, role: int, session: bytes, me: Identity, where: str
 ) -> PeerInfo | None:
-    """Runs the client half; returns the server's PeerInfo (control) or None (data, store)."""
+    """Runs the client half; returns the server's PeerInfo (control) or None (data, store).
+
+    Its ProtocolErrors name ``where`` (the address dialled)."""
+    try:
+        return await _client_handshake(ch, token, role, session, me, where)
+    except ProtocolError as exc:
+        raise ProtocolError(f"{where}: {exc}") from None
+
+
+async def _client_handshake(
+    ch: Channel, token: bytes, role: int, session: bytes, me: Identity, where: str
+) -> PeerInfo | None:
     nonce_c = os.urandom(32)
     hello = w.Writer().raw(w.MAGIC).u16(w.VERSION_MIN).u16(w.VERSION_MAX).u8(role).raw(nonce_c)
     await ch.send(hello.frame(w.HELLO))
-    r = await ch.expect(w.CHALLENGE, w.MAX_UNAUTH_FRAME)
+    r = await ch.expect(w.CHALLENGE, w.MAX_UNAUTH_FRAME, first="an aiohixl listener")
     version, nonce_s, mac_s = r.u16(), r.raw(32), r.raw(32)
     r.end()
     if not w.VERSION_MIN <= version <= w.VERSION_MAX:
-        raise ProtocolError(f"{where}: listener chose protocol version {version}")
+        raise ProtocolError(f"listener chose protocol version {version}")
     if not hmac.compare_digest(mac_s, _server_mac(token, nonce_c, nonce_s)):
         raise AuthenticationError(f"{where}: the listener does not hold the same token")
     auth = w.Writer().raw(_client_mac(token, nonce_s, nonce_c, role, session)).raw(session)
@@ -288,11 +331,11 @@ async def server_handshake(
     ``roles``: the connection roles this listener takes; another is refused
     with an ERROR frame saying what ``serves`` here.
     """
-    r = await ch.expect(w.HELLO, w.MAX_UNAUTH_FRAME)
+    r = await ch.expect(w.HELLO, w.MAX_UNAUTH_FRAME, first="an aiohixl client")
     magic, vmin, vmax, role, nonce_c = r.raw(4), r.u16(), r.u16(), r.u8(), r.raw(32)
     r.end()
     if magic != w.MAGIC:
-        raise ProtocolError("not an aiohixl client (bad magic)")
+        raise ProtocolError(f"not an aiohixl client (bad magic {magic!r})")
     if role not in w.ROLE_NAMES:
         raise ProtocolError(f"unknown role {role}")
     if role not in roles:

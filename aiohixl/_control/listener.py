@@ -62,7 +62,7 @@ class Listener:
         published: Callable[[], list[bytes]],
         heartbeat: tuple[float, float],
         spawn: Callable[..., None],
-        on_session: Callable[[bytes, str], None],
+        on_session: Callable[[bytes, str, bytes], None],
     ) -> None:
         self.host = host
         self.port = port
@@ -199,7 +199,7 @@ class Listener:
         for transport in self.transports:
             handlers.update(transport.session_handlers(served))
         self.sessions[served.sid] = served
-        self.on_session(served.sid, hello.info.name)
+        self.on_session(served.sid, hello.info.name, hello.info.agent_id)
         await ch.send(c.welcome_frame(self.identity(), served.sid, self.published()))
         await served.session.run()
 

@@ -188,5 +188,29 @@ def split_head(head: bytes, limit: int) -> tuple[int, int]:
     return length - 1, ftype
 
 
+# How other protocols begin (at most HEAD_SIZE bytes each), for saying what answered instead of
+# an aiohixl peer: a frame head read from them is nonsense ("HTTP" read as a length).
+_FOREIGN = (
+    (b"HTTP/", "HTTP"),
+    (b"GET ", "HTTP"),
+    (b"POST ", "HTTP"),
+    (b"PUT ", "HTTP"),
+    (b"HEAD ", "HTTP"),
+    (b"PRI *", "HTTP/2"),
+    (b"SSH-", "SSH"),
+    (b"\x15\x03", "TLS"),
+    (b"\x16\x03", "TLS"),
+    (b"-ERR", "Redis"),
+)
+
+
+def foreign_head(head: bytes) -> str:
+    """Words on a peer's first bytes that are no aiohixl frame: which protocol they look like."""
+    name = next((name for prefix, name in _FOREIGN if head.startswith(prefix)), None)
+    return (
+        f"the first bytes ({head!r}) look like {name}" if name else f"the first bytes ({head!r}) are no aiohixl frame"
+    )
+
+
 HEAD_SIZE = _HEAD.size
 DATA_OK_FRAME = Writer().frame(DATA_OK)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 from collections.abc import Callable
+from contextvars import Context, copy_context
 from typing import Any
 
 import sniffio
@@ -18,11 +19,14 @@ __all__ = ["Backend", "current_backend"]
 
 class Backend:
     name: str
-    done: Any = None  # asyncio: a done future that ops finished inline return
 
     def watch(self, fd: int, on_readable: Callable[[], None]) -> None: ...
     def unwatch(self, fd: int) -> None: ...
     def new_waiter(self) -> Any: ...
+    def done_waiter(self) -> Any:
+        """asyncio: the done Future of an op that ended as it was posted, its own."""
+        raise NotImplementedError
+
     def resolve(self, waiter: Any, exc: BaseException | None) -> None: ...
     def pending(self, waiter: Any) -> bool:
         """Whether someone still waits on it (not resolved, not cancelled)."""
@@ -48,7 +52,7 @@ class OpFuture(asyncio.Future):
 
     def send(self, value: Any) -> Any:
         if self._steps is None:
-            if self.done():  # no state kept: one done future serves every op that finished inline
+            if self.done():  # ended as it was posted: nothing to step through
                 raise StopIteration(self.result())
             self._steps = self.__await__()
         return self._steps.send(value)
@@ -64,6 +68,28 @@ class OpFuture(asyncio.Future):
 
 
 collections.abc.Coroutine.register(OpFuture)
+
+
+class DoneOpFuture(OpFuture):
+    """The Future of an op that ended as it was posted: its own, done from the start, so
+    that ``wait``, ``as_completed`` and a dict keyed by op see each op.
+
+    A callback attached to it runs on the loop's next turn, as on any done Future, but
+    the callbacks attached to such futures in one turn share one ``call_soon``: gather on
+    3.11 attaches one to each future it is given, and a Handle each made a gather of many
+    tiny same-host ops cost a third more. They run together, in the order attached, at
+    the place of the first in the loop's queue."""
+
+    __slots__ = ("_backend",)  # no __dict__ made per op
+    _backend: AsyncioBackend
+
+    def add_done_callback(self, fn: Any, *, context: Any = None) -> None:
+        backend = self._backend
+        due = backend.due
+        if due is None:
+            backend.loop.call_soon(backend.run_due)  # raises on a closed loop, as Future's does
+            due = backend.due = []
+        due.append((fn, self, copy_context() if context is None else context))
 
 
 class HeldOpFuture(OpFuture):
@@ -92,9 +118,7 @@ class AsyncioBackend(Backend):
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task] = set()
-        # What an op that finished inline returns: awaiting a done future costs nothing.
-        self.done = OpFuture(loop=self.loop)
-        self.done.set_result(None)
+        self.due: list[tuple[Any, DoneOpFuture, Context]] | None = None  # DoneOpFuture's callbacks
 
     def is_current(self) -> bool:
         try:
@@ -111,6 +135,26 @@ class AsyncioBackend(Backend):
 
     def new_waiter(self) -> asyncio.Future:
         return OpFuture(loop=self.loop)
+
+    def done_waiter(self) -> asyncio.Future:
+        done = DoneOpFuture(loop=self.loop)
+        done._backend = self
+        done.set_result(None)
+        return done
+
+    def run_due(self) -> None:
+        due, self.due = self.due, None  # one attached while these run waits for the next turn
+        for i, (fn, future, context) in enumerate(due or ()):
+            try:
+                context.run(fn, future)
+            except (SystemExit, KeyboardInterrupt):
+                for later in due[i + 1 :]:  # type: ignore[index]  # still run, as their own Handles would
+                    self.loop.call_soon(later[0], later[1], context=later[2])
+                raise
+            except BaseException as exc:  # reported as asyncio's Handle reports a failed callback
+                self.loop.call_exception_handler(
+                    {"message": f"Exception in callback {fn!r}", "exception": exc, "future": future}
+                )
 
     def resolve(self, waiter: asyncio.Future, exc: BaseException | None) -> None:
         if waiter.done():  # the awaiting task was cancelled

@@ -157,6 +157,14 @@ class Engine:
             )
         return backend
 
+    def check_loop(self, what: str) -> None:
+        """WrongEventLoop if the agent belongs to a loop and the caller runs outside it.
+
+        Binds nothing: an agent not started yet may be set up (regions registered) from
+        plain code, and belongs to the loop that starts it."""
+        if self.backend is not None and not self.backend.is_current():
+            self.attach(what)  # raises WrongEventLoop
+
     async def admit(self, what: str = "aiohixl") -> None:
         """Wait for room in the completion ring: completions are never dropped."""
         backend = self.attach(what)

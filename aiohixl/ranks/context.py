@@ -29,7 +29,7 @@ from ..errors import (
     OutOfBounds,
     UnsupportedMemory,
 )
-from ..memory import Access, Region, RegionSlice
+from ..memory import Access, Region, RegionSlice, parse_access
 from ..peer import Peer
 from ..remote import RemoteRegion, RemoteSlice
 from .record import MAX_RANK, RankRecord, StoreURL, parse_store_url
@@ -41,30 +41,6 @@ __all__ = ["Context", "init", "get_remote_mem", "put", "get"]
 log = logging.getLogger("aiohixl")
 
 RemoteRef = Union[RemoteRegion, RemoteSlice]
-
-_ACCESS_WORDS = {
-    "remote_write": Access.REMOTE_WRITE,
-    "remote_read": Access.REMOTE_READ,
-    "remote_read_write": Access.REMOTE_READ | Access.REMOTE_WRITE,
-    "none": Access.NONE,
-}
-
-
-def parse_access(access: Access | str | None, what: str) -> Access | None:
-    """``Access`` flags, or words: "remote_write", "remote_read", "remote_read_write", joined by "|"."""
-    if access is None or isinstance(access, Access):
-        return access
-    if isinstance(access, int) and not isinstance(access, bool):
-        return Access(access)
-    if isinstance(access, str):
-        flags = Access.NONE
-        for word in access.replace(",", "|").split("|"):
-            flag = _ACCESS_WORDS.get(word.strip().lower())
-            if flag is None:
-                raise InvalidArgument(f"{what}: access {access!r}: use {sorted(_ACCESS_WORDS)} or Access flags")
-            flags |= flag
-        return flags
-    raise InvalidArgument(f"{what}: access must be Access flags or a string, not {type(access).__name__}")
 
 
 def _env_int(name: str, what: str) -> int | None:
@@ -217,12 +193,15 @@ class Context:
 
     async def get_remote_mem(
         self, rank: int, nbytes: int | None = None, name: str = "kv", timeout: float | None = 30.0
-    ) -> RemoteRegion:
+    ) -> RemoteRef:
         """The region ``rank`` published as ``name``: waits up to ``timeout`` for the rank (UnknownRank),
-        connects to it on first use and caches the peer. ``nbytes``: the size the caller needs
-        (a smaller region raises OutOfBounds)."""
+        connects to it on first use and caches the peer. ``nbytes``: a window of that many bytes
+        at the region's start (a RemoteSlice; the RemoteRegion itself when it is the whole
+        region); a smaller region raises OutOfBounds."""
         what = f"Context.get_remote_mem(rank={rank}, name={name!r})"
         self._check(what)
+        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+            raise InvalidArgument(f"{what}: nbytes must be an int >= 0 or None, not {nbytes!r}")
         deadline = anyio.current_time() + (timeout if timeout is not None else 1e9)
         while True:
             left = max(0.0, deadline - anyio.current_time())
@@ -240,9 +219,11 @@ class Context:
                     ) from None
                 with anyio.move_on_after(min(0.5, deadline - anyio.current_time())):
                     await self.store.wait_for(what, _replaced(self.store, rec), None)
-        if nbytes is not None and nbytes > remote.nbytes:
+        if nbytes is None or nbytes == remote.nbytes:
+            return remote
+        if nbytes > remote.nbytes:
             raise OutOfBounds(f"{what}: asked for {nbytes} bytes, rank {rank}'s region has {remote.nbytes}")
-        return remote
+        return remote[:nbytes]
 
     async def peer(self, rank: int, timeout: float | None = 30.0) -> Peer:
         """The (cached) peer of ``rank``, connected on first use."""
@@ -490,7 +471,7 @@ async def _open_store(url: StoreURL, namespace: str, token: bytes, agent: Agent,
 
 async def get_remote_mem(
     ctx: Context, rank: int, size: int | None = None, name: str = "kv", timeout: float | None = 30.0
-) -> RemoteRegion:
+) -> RemoteRef:
     """``aiohixl.get_remote_mem(ctx, rank, size)``: ``ctx.get_remote_mem``."""
     return await ctx.get_remote_mem(rank, size, name, timeout)
 

@@ -293,10 +293,10 @@ class TcpStore(Store):
                 if ch is not None:
                     await ch.aclose()
                 raise AuthenticationError(f"{exc} (is AIOHIXL_TOKEN the agents' token?)") from None
-            except ProtocolError as exc:
+            except ProtocolError:  # it names the store already
                 if ch is not None:
                     await ch.aclose()
-                raise ProtocolError(f"{what}: {exc}") from None
+                raise
             except c.STREAM_ERRORS as exc:
                 if ch is not None:
                     await ch.aclose()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import importlib.util
 import json
 import os
 import statistics
@@ -37,6 +38,9 @@ KiB, MiB = 1 << 10, 1 << 20
 ROUNDS = 4  # one at a time over N and N in flight alternate this many times
 REG_ROUNDS = 3  # registration figures: the best of this many rounds
 INLINE_PATHS = ("loopback", "shm-memfd", "shm-cma")  # same-host ops up to 1 MiB end as they are posted
+# What --transports takes, and the path each section must run over: another path's figures
+# are never printed under its name (a section is skipped, saying why, instead).
+PATH_OF = {"loopback": "loopback", "shm": "shm-memfd", "shm-cma": "shm-cma", "tcp": "tcp", "verbs": "verbs"}
 TOKEN = "aiohixl-bench"
 
 
@@ -81,6 +85,7 @@ class Results:
     transports: dict[str, dict[str, Any]] = field(default_factory=dict)
     peers: dict[str, dict[str, Any]] = field(default_factory=dict)
     registration: dict[str, dict[str, Any]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # transport -> why it was not measured
 
 
 def _fmt_size(n: int) -> str:
@@ -383,6 +388,7 @@ async def small_ops(peer: Any, remote: Any, local: Any, total: int) -> dict[str,
 
 
 async def run_transport(name: str, plan: Plan, results: Results, progress: Progress, target: TargetProcess | None):
+    """Measure ``name`` into results.transports, or say in results.skipped why not."""
     if name == "loopback":
         target = None  # the target process plays no part; its CPU says nothing
     out: dict[str, Any] = {"latency": {}, "bandwidth": {}}
@@ -405,8 +411,11 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
             peer = await agent.connect(target.address, transports=only)
         remote = await peer.region("udst" if name == "shm-cma" else "dst")
         out["path"] = await peer.path(remote)
-        if name.startswith("shm") and out["path"] != name.replace("shm", "shm-memfd", 1) and out["path"] != name:
-            print(f"note: {name} runs over {out['path']} on this machine", file=sys.stderr)
+        if out["path"] != PATH_OF[name]:
+            results.skipped[name] = f"ops would run over {out['path']} here, not {PATH_OF[name]}"
+            if name == "shm-cma":
+                results.skipped[name] += " (cross-memory attach refused: see `aiohixl info`)"
+            return
         for size in plan.lat_sizes:
             for op in ("put", "get"):
                 out["latency"][f"{op} {_fmt_size(size)}"] = await latency(peer, op, remote, local, size, plan.lat_ops)
@@ -801,6 +810,8 @@ def render(r: Results) -> str:
                 f"  put(notify=) {size:>7} -> notification() at the target: median {v['median_us']:8.1f} us"
                 f"  (awaited put alone {v['put_median_us']:.1f} us)"
             )
+    for name, why in r.skipped.items():
+        lines += ["", f"{name}: not measured: {why}"]
     if r.transports:
         lines += [
             "",
@@ -851,21 +862,31 @@ def run_peers(plan: Plan, results: Results, progress: Progress) -> None:
         progress.step(f"peer {label}")
 
 
-def default_transports() -> list[str]:
-    names = ["loopback", "shm", "shm-cma", "tcp"]
+def unavailable() -> dict[str, str]:
+    """The transports this machine cannot run, and why (as ``aiohixl info`` says)."""
     from .info import transports
 
-    if any(t.name == "verbs" and t.available for t in transports()):
-        names.append("verbs")
-    return names
+    why = {t.name: t.detail for t in transports() if not t.available}
+    if "shm" in why:
+        why["shm-cma"] = why["shm"]
+    return why
+
+
+def default_transports() -> list[str]:
+    missing = unavailable()
+    return [name for name in PATH_OF if name not in missing]
 
 
 async def bench(args: argparse.Namespace) -> Results:
     plan = Plan.make(args.quick, args.full)
-    transports = args.transports.split(",") if args.transports else default_transports()
     results = Results(
         machine={"cpus": os.cpu_count(), "python": sys.version.split()[0], "quick": args.quick, "full": args.full}
     )
+    transports = default_transports()
+    if args.transports:
+        missing = unavailable()
+        results.skipped = {name: missing[name] for name in args.transports if name in missing}
+        transports = [name for name in args.transports if name not in missing]
     steps = 5 + 4 * len(plan.bw_sizes) + len(transports) * (2 * len(plan.lat_sizes) + len(plan.bw_sizes) + 3) + 1
     steps += "tcp" in transports  # its latency mode
     steps += len(PEER_RUNS) if args.peers else 0
@@ -914,8 +935,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--transports",
         default=None,
+        type=_transport_list,
         help="comma-separated: loopback, shm (memfd region), shm-cma (user memory), tcp, verbs"
-        " (default: all available here)",
+        " (default: all available here; one not available is skipped, saying why)",
     )
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw bandwidth and latency (needs matplotlib)")
@@ -927,6 +949,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve", type=int, metavar="BYTES", help=argparse.SUPPRESS)
     p.add_argument("--serve-busy-poll", type=int, default=0, metavar="US", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib: pip install 'aiohixl[plot]'")  # before a bench it could not draw
     if args.serve:
         asyncio.run(serve(args.serve, args.serve_busy_poll))
         return 0
@@ -936,12 +960,18 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(asdict(results), f, indent=2)
     if args.plot:
-        try:
-            plot(results, args.plot)
-        except ImportError:
-            print("--plot needs matplotlib: pip install 'aiohixl[plot]'", file=sys.stderr)
-            return 1
+        plot(results, args.plot)
     return 0
+
+
+def _transport_list(text: str) -> list[str]:
+    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if name not in PATH_OF]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown {', '.join(map(repr, unknown)) or 'empty list'}: choose from {', '.join(PATH_OF)}"
+        )
+    return names
 
 
 if __name__ == "__main__":

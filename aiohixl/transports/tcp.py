@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
-
 from .._control import handshake as c
 from .._control import wire as w
 from .._loop.native import check, ffi, lib
@@ -71,7 +69,7 @@ class TcpTransport(Transport):
             lib.hx_tcp_drop_session(native, session_key(session.sid))
 
     async def dial(self, dial: Dial) -> TcpLink | None:
-        ch = c.Channel(await anyio.connect_tcp(dial.host, dial.port))
+        ch = c.Channel(await c.connect_tcp(dial.host, dial.port, f"{dial.what}: the data connection"))
         try:
             await c.client_handshake(ch, dial.key, w.ROLE_DATA, dial.info.session, dial.me, dial.what)
             fd = ch.fileno_for_handoff()

@@ -20,6 +20,7 @@ from aiohixl.remote import RemoteRegion
 from aiohixl.transports import verbs as _rdma
 
 from ..harness import TOKEN, Target, pattern, sha
+from ..waiting import wait_until
 
 try:
     CHOICE = _rdma.choose()
@@ -78,8 +79,7 @@ async def test_verbs_is_the_path(pair):
 @pytest.mark.asyncio(loop_scope="module")
 async def test_write_with_imm_reaches_the_target(pair):
     peer, kv, src = pair["peer"], pair["kv"], pair["src"]
-    waiting = asyncio.create_task(pair["target"].cmd(op="notify", timeout=120))
-    await asyncio.sleep(0.5)
+    waiting = asyncio.create_task(pair["target"].cmd(op="notify", timeout=120))  # queued there if it is first
     await peer.put(kv[100 : 100 + 5000], src[:5000], imm=0xC0FFEE)
     note = await waiting
     assert note["imm"] == 0xC0FFEE and note["nbytes"] == 5000
@@ -127,6 +127,10 @@ async def test_notifications_are_sends_on_the_queue_pair_behind_the_data(pair):
     assert pair["agent"].stats()["transports"]["verbs"]["ops"] == sent + 4  # 3 puts and the get
 
 
+async def _received_at_least(target: Target, n: int) -> bool:
+    return (await target.state())["received"] >= n
+
+
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_full_queue_holds_verbs_senders_back_and_loses_nothing():
     # 8 slots in the target's queue, 256 receive buffers per queue pair: past
@@ -144,8 +148,11 @@ async def test_a_full_queue_holds_verbs_senders_back_and_loses_nothing():
                 # odd: a WRITE WITH IMM, held too, never dropped
                 op = peer.put(kv[:64], src[:64], imm=i) if i % 2 else peer.notify(f"m{i}".encode())
                 sends.append(asyncio.create_task(op))
-            await asyncio.sleep(3.0)
-            assert sum(t.done() for t in sends) < total, "a full queue must hold the sender back"
+            # As in test_notify: asked once the queue has filled, and again after a round trip
+            # through the target's loop, by when the rest would have landed had nothing held them.
+            await wait_until(lambda: _received_at_least(target, 8), timeout=120, what="the target's queue full")
+            received = (await target.state())["received"]
+            assert received < total and sum(t.done() for t in sends) < total, "a full queue must hold the sender back"
             reply = await target.cmd(op="collect", n=total, timeout=300)
             await asyncio.gather(*sends)
             # Each kind in its order (the tasks race one another, so not interleaved).

@@ -1,0 +1,42 @@
+"""Waiting on a state, never on a guess of how long something takes."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from typing import Union
+
+import anyio
+
+Predicate = Callable[[], Union[object, Awaitable[object]]]
+
+
+async def wait_until(predicate: Predicate, timeout: float = 30.0, what: str | None = None) -> object:
+    """Return ``predicate()``'s first true value, asking again as the event loop turns (it may
+    be a coroutine function: a state query on another process); fail naming ``what`` (or the
+    predicate) after ``timeout`` seconds, on asyncio or trio."""
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while True:
+        got = predicate()
+        if inspect.isawaitable(got):
+            got = await got
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what or getattr(predicate, '__qualname__', predicate)}")
+        await anyio.sleep(pause)
+        pause = min(pause * 2, 0.05)  # quick for what is nearly there, cheap for what takes long
+
+
+def wait_until_sync(predicate: Callable[[], object], timeout: float = 30.0, what: str | None = None) -> object:
+    """wait_until for code outside an event loop (a fixture starting a server)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what or getattr(predicate, '__qualname__', predicate)}")
+        time.sleep(0.02)
