@@ -69,9 +69,9 @@ async def connect(
         raise
     except c.STREAM_ERRORS as exc:
         await _abandon(ch, links)
-        raise ConnectionLost(
-            f"{what}: the connection broke during the handshake ({exc or type(exc).__name__})"
-        ) from None
+        lost = ConnectionLost(f"{what}: the connection broke during the handshake ({exc or type(exc).__name__})")
+        lost.errno = getattr(exc, "errno", None)  # e.g. the native side's refusal of a connection
+        raise lost from None
     except BaseException:
         await _abandon(ch, links)
         raise
