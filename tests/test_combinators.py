@@ -1,7 +1,7 @@
 """Ops under asyncio's combinators and trio/anyio task groups: each op its own awaitable.
 
-Over loopback (one agent) and between two agents of this process (shared memory, or tcp
-where the machine has no memfd path). Every batch mixes small ops, which end as they are
+Over loopback (one agent) and between two agents of this process: the path the agents
+choose (shared memory where the machine has it), and tcp. Every batch mixes small ops, which end as they are
 posted (a done Future each), with a large one that runs on the copy threads and completes
 through the event loop, and checks the bytes of each op.
 """
@@ -39,11 +39,11 @@ async def two_ends(kind: str):
         async with aiohixl.Agent("target", listen="127.0.0.1:0", token=TOKEN) as target:
             dst = np.zeros(SPAN, dtype=np.uint8)
             target.register(dst, name="d", access=aiohixl.Access.REMOTE_WRITE)
-            peer = await agent.connect(target.address, token=TOKEN)
+            peer = await agent.connect(target.address, token=TOKEN, transports=("tcp",) if kind == "tcp" else None)
             yield peer, await peer.region("d"), src, dst
 
 
-@pytest.fixture(params=["loopback", "two agents"])
+@pytest.fixture(params=["loopback", "two agents", "tcp"])
 async def ends(request):
     async with two_ends(request.param) as e:
         yield e

@@ -143,12 +143,12 @@ class AsyncioBackend(Backend):
         return done
 
     def run_due(self) -> None:
-        due, self.due = self.due, None  # one attached while these run waits for the next turn
-        for i, (fn, future, context) in enumerate(due or ()):
+        due, self.due = self.due or [], None  # one attached while these run waits for the next turn
+        for i, (fn, future, context) in enumerate(due):
             try:
                 context.run(fn, future)
             except (SystemExit, KeyboardInterrupt):
-                for later in due[i + 1 :]:  # type: ignore[index]  # still run, as their own Handles would
+                for later in due[i + 1 :]:  # still run, as their own Handles would
                     self.loop.call_soon(later[0], later[1], context=later[2])
                 raise
             except BaseException as exc:  # reported as asyncio's Handle reports a failed callback

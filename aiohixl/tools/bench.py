@@ -31,6 +31,7 @@ import numpy as np
 
 import aiohixl
 
+from .._backends import AsyncioBackend
 from . import baselines
 from ._child import LineChild
 
@@ -351,14 +352,13 @@ async def bandwidth(
 
 async def gather_floor(n: int) -> float:
     """Microseconds ``asyncio.gather`` itself takes over ``n`` futures that are already done,
-    as n puts that finished while they were posted are (they share one done future): a
-    loop iteration to run the done callback, one to resume the gathering task. One awaited
-    put at a time pays neither (awaiting a done future does not yield), so at sizes whose
-    copies take little longer than this, N in flight cannot reach one at a time."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-    done.set_result(None)
-    futures = [done] * n
+    as n puts that finished while they were posted are (a done future each, as the library
+    makes them): its bookkeeping per future, a loop iteration to run the done callbacks
+    (3.11), one to resume the gathering task. One awaited put at a time pays none of it
+    (awaiting a done future does not yield), so at sizes whose copies take little longer
+    than this, N in flight cannot reach one at a time."""
+    backend = AsyncioBackend()
+    futures = [backend.done_waiter() for _ in range(n)]
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
