@@ -322,9 +322,9 @@ class WorkerSide:
             # pushes the rest at once (below, or in _on_registration).
             with self._lock:
                 job.final, job.final_at = True, now
-                dest = self._dests.get(job.transfer_id)
-            if dest is not None and job.state == "open":
-                await self._push_rest(job, dest)
+                late = self._dests.get(job.transfer_id)
+            if late is not None and job.state == "open":
+                await self._push_rest(job, late)
 
     async def _send_done(self, job: Job, dest: Dest) -> None:
         self.trace.event("last_put_done", job.transfer_id, job.req_id, job.nbytes)
@@ -392,7 +392,7 @@ class WorkerSide:
         now = time.monotonic()
         out: set[str] = set()
         with self._lock:
-            self._finished_reqs |= finished_req_ids
+            self._finished_reqs |= finished_req_ids & {job.req_id for job in self._jobs.values()}
             for t, job in list(self._jobs.items()):
                 if job.final and job.state == "open" and now - job.final_at > self.settings.registration_timeout_s:
                     log.warning(
