@@ -136,6 +136,7 @@ class WorkerSide:
         self._skipped: dict[str, float] = {}
         self._tombstones: dict[str, float] = {}
         self._finished_reqs: set[str] = set()
+        self._registered: set[str] = set()  # for the scheduler: REG or SKIP arrived
         self._plan: list[tuple[Job, Dest, list[tuple[int, int]]]] = []
         self._finals: list[Job] = []
         self._step_puts: list[asyncio.Future[Any]] = []
@@ -380,6 +381,13 @@ class WorkerSide:
             if job is not None:
                 job.state = "cancelled"
 
+    def take_registered(self) -> set[str]:
+        if not self._registered:
+            return set()
+        with self._lock:
+            out, self._registered = self._registered, set()
+        return out
+
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) for this step."""
         if self.producer:
@@ -534,7 +542,8 @@ class WorkerSide:
             try:
                 lost = await store.wait_for("AiohixlConnector", gone, None)
             except HixlError as exc:
-                log.error("aiohixl: the rank store is gone (%s): waiting requests fail by their deadline", exc)
+                if not store.closed:  # closed: we are shutting down
+                    log.error("aiohixl: the rank store is gone (%s): waiting requests fail by their deadline", exc)
                 return
             for t, rank in lost or ():
                 self._fail_pending(t, f"prefill rank {rank} left the store (its process ended) mid-transfer")
@@ -589,6 +598,7 @@ class WorkerSide:
         elif op == "SKIP":
             self._skipped[t] = time.monotonic()
             with self._lock:
+                self._registered.add(t)
                 job = self._jobs.get(t)
                 if job is not None and job.state == "open":
                     job.state = "skipped"
@@ -632,6 +642,7 @@ class WorkerSide:
         dest = Dest(d_rank, str(msg["req"]), int(msg["first"]), blocks, offsets, kv, peer, now)
         with self._lock:
             self._dests[t] = dest
+            self._registered.add(t)
             job = self._jobs.get(t)
         if job is None:
             return
