@@ -43,7 +43,7 @@ class SchedulerSide:
         self._registered: dict[str, float] = {}  # transfer id -> when heard
         self._waiting_since: dict[str, float] = {}
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         if self.producer:
             return self._until_registered(request), False

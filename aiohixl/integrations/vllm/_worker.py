@@ -450,6 +450,7 @@ class WorkerSide:
                 rank=self.rank,
                 req=r.req_id,
                 first=r.first_block,
+                n=r.num_prompt_tokens,
                 blocks=m.runs(r.block_ids),
                 offsets=self._offsets,
                 layout=self._layout.key(),
@@ -468,6 +469,8 @@ class WorkerSide:
 
     async def _notify(self, rank: int, data: bytes) -> bool:
         assert self._ctx is not None
+        if rank not in self._ctx.store.records:
+            return False  # gone: waiting for it to come back would hold up every other message
         try:
             await self._ctx.notify(rank, data, timeout=10)
             return True
@@ -636,7 +639,8 @@ class WorkerSide:
             await self._notify(d_rank, m.encode("FAIL", t, why="the decode worker's KV layout does not match"))
             return
         num_blocks = (kv.nbytes - max(offsets)) // self._page
-        if any(not 0 <= b < num_blocks for b in blocks):
+        n = int(msg["n"])
+        if int(msg["first"]) + len(blocks) != -(-n // self.block_size) or any(not 0 <= b < num_blocks for b in blocks):
             await self._notify(d_rank, m.encode("FAIL", t, why="block ids out of the decode worker's KV cache"))
             return
         dest = Dest(d_rank, str(msg["req"]), int(msg["first"]), blocks, offsets, kv, peer, now)
@@ -648,8 +652,8 @@ class WorkerSide:
             return
         if job.state == "skipped":
             return
-        if job.block_ids and len(job.block_ids) < dest.first_block + len(blocks) - 1:
-            await self._fail(job, dest, "the two instances disagree on the prompt's length")
+        if int(msg.get("n", job.num_prompt_tokens)) != job.num_prompt_tokens:
+            await self._fail(job, dest, f"decode has {msg.get('n')} prompt tokens, prefill {job.num_prompt_tokens}")
             return
         if not job.claimed:
             job.claimed = True

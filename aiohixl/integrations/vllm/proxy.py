@@ -123,14 +123,10 @@ class Proxy:
                 if resp.status != 200:
                     text = await resp.text()
                     raise Upstream(who, f"HTTP {resp.status}: {text[:500]}")
-                if not body.get("stream"):
-                    try:
-                        data = await resp.read()
-                    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                        raise Upstream(who, f"{type(exc).__name__}: {exc}") from None
-                    await _settle(prefill)
-                    return web.Response(body=data, content_type="application/json")
-                first = asyncio.ensure_future(resp.content.readany())
+                stream = bool(body.get("stream"))
+                # Decode's first bytes, unless prefill fails first: then decode's request
+                # (whose KV will not come) is closed, which aborts it, and prefill is named.
+                first = asyncio.ensure_future(resp.content.readany() if stream else resp.read())
                 await asyncio.wait({first, prefill}, return_when=asyncio.FIRST_COMPLETED)
                 if prefill.done() and prefill.exception() is not None and not first.done():
                     first.cancel()
@@ -139,6 +135,9 @@ class Proxy:
                     chunk = await first
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                     raise Upstream(who, f"{type(exc).__name__}: {exc}") from None
+                if not stream:
+                    await _settle(prefill)
+                    return web.Response(body=chunk, content_type="application/json")
                 out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await out.prepare(request)
                 while chunk:
