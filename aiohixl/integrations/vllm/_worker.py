@@ -518,11 +518,15 @@ class WorkerSide:
             if not await self._notify(rank, msg):
                 p.targets.discard(rank)  # unreachable: it writes nothing more
         deadline = time.monotonic() + self.settings.cancel_timeout_s
-        while p.targets and p.transfer_id in self._pending and time.monotonic() < deadline:
-            assert self._watch_wake is not None
-            self._watch_wake.clear()
+        wake = self._watch_wake
+        assert wake is not None
+        while True:
+            wake.clear()  # before looking: an answer from here on wakes the wait
+            left = deadline - time.monotonic()
+            if not p.targets or p.transfer_id not in self._pending or left <= 0:
+                break
             try:
-                await asyncio.wait_for(self._watch_wake.wait(), deadline - time.monotonic())
+                await asyncio.wait_for(wake.wait(), left)
             except asyncio.TimeoutError:
                 break
         self._fail_pending(p.transfer_id, why)
