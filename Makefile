@@ -44,7 +44,7 @@ test-asan: venv
 	cd $(ASAN_DIR) && LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1 \
 		UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-		$(abspath $(PY)) -c 'import aiohixl._native as n, aiohixl._span as s; assert all("$(ASAN_DIR)" in m.__file__ for m in (n, s)), (n.__file__, s.__file__)' && \
+		$(abspath $(PY)) -c 'import aiohixl._hixl as n, aiohixl._span as s; assert all("$(ASAN_DIR)" in m.__file__ for m in (n, s)), (n.__file__, s.__file__)' && \
 		LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1 \
 		UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \

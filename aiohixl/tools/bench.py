@@ -31,7 +31,7 @@ import numpy as np
 
 import aiohixl
 
-from .._backends import AsyncioBackend
+from .._loop.backends import AsyncioBackend
 from . import baselines
 from ._child import LineChild
 
