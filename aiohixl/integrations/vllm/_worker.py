@@ -26,8 +26,10 @@ import aiohixl
 
 from ...errors import HixlError, InvalidArgument
 from ...remote import RemoteRegion
-from . import _messages as m
 from ._config import Layout, Settings, group_name, parse_group
+from ._messages import decode as decode_message
+from ._messages import encode as encode_message
+from ._messages import runs, unruns
 from ._meta import AiohixlMetadata, Registration, Skip
 from ._trace import Trace
 
@@ -316,7 +318,7 @@ class WorkerSide:
                 await self._fail(job, dest, f"a put into decode rank {dest.rank} failed: {error}")
             elif not job.claimed and job.state == "open":
                 job.claimed = True
-                await self._send(dest.peer, m.encode("CLAIM", job.transfer_id, rank=self.rank))
+                await self._send(dest.peer, encode_message("CLAIM", job.transfer_id, rank=self.rank))
         now = time.monotonic()
         for job in finals:
             # Final only now that its last chunk is in memory: a REG arriving from here on
@@ -329,7 +331,7 @@ class WorkerSide:
 
     async def _send_done(self, job: Job, dest: Dest) -> None:
         self.trace.event("last_put_done", job.transfer_id, job.req_id, job.nbytes)
-        if await self._send(dest.peer, m.encode("DONE", job.transfer_id)):
+        if await self._send(dest.peer, encode_message("DONE", job.transfer_id)):
             job.state = "done"
             self.trace.event("done_sent", job.transfer_id, job.req_id, job.nbytes)
         else:
@@ -340,7 +342,7 @@ class WorkerSide:
         log.warning("aiohixl: transfer %s (request %s) failed: %s", job.transfer_id, job.req_id, why)
         job.state = "failed"
         self._dests.pop(job.transfer_id, None)
-        await self._send(dest.peer, m.encode("FAIL", job.transfer_id, why=why))
+        await self._send(dest.peer, encode_message("FAIL", job.transfer_id, why=why))
 
     async def _break(self, plan: list[tuple[Job, Dest, list[tuple[int, int]]]]) -> None:
         for job, dest, _ in plan:
@@ -376,7 +378,7 @@ class WorkerSide:
             dest = self._dests.pop(t, None)
             if dest is not None:
                 asyncio.ensure_future(
-                    self._send(dest.peer, m.encode("ABORT", t, why="the prefill request was aborted"))
+                    self._send(dest.peer, encode_message("ABORT", t, why="the prefill request was aborted"))
                 )
             if job is not None:
                 job.state = "cancelled"
@@ -442,16 +444,16 @@ class WorkerSide:
         assert self._layout is not None
         for s in skips:
             for rank in self._prefill_ranks(s.remote_engine_id):
-                await self._notify(rank, m.encode("SKIP", s.transfer_id))
+                await self._notify(rank, encode_message("SKIP", s.transfer_id))
         for r in regs:
-            msg = m.encode(
+            msg = encode_message(
                 "REG",
                 r.transfer_id,
                 rank=self.rank,
                 req=r.req_id,
                 first=r.first_block,
                 n=r.num_prompt_tokens,
-                blocks=m.runs(r.block_ids),
+                blocks=runs(r.block_ids),
                 offsets=self._offsets,
                 layout=self._layout.key(),
             )
@@ -513,7 +515,7 @@ class WorkerSide:
             if aborted
             else (f"its KV did not arrive within {self.settings.registration_timeout_s:.0f} s")
         )
-        msg = m.encode("CANCEL", p.transfer_id, rank=self.rank)
+        msg = encode_message("CANCEL", p.transfer_id, rank=self.rank)
         for rank in list(p.targets):
             if not await self._notify(rank, msg):
                 p.targets.discard(rank)  # unreachable: it writes nothing more
@@ -560,7 +562,7 @@ class WorkerSide:
     async def _reader(self) -> None:
         assert self._ctx is not None
         async for note in self._ctx.agent.notifications():
-            msg = m.decode(note.data)
+            msg = decode_message(note.data)
             if msg is None:
                 continue
             try:
@@ -621,7 +623,7 @@ class WorkerSide:
                 await asyncio.gather(*job.inflight, return_exceptions=True)
             peer_rank = dest.rank if dest is not None else rank
             if peer_rank >= 0:
-                await self._notify(peer_rank, m.encode("CANCELLED", t, rank=self.rank))
+                await self._notify(peer_rank, encode_message("CANCELLED", t, rank=self.rank))
 
     async def _on_registration(self, t: str, msg: dict[str, Any]) -> None:
         assert self._ctx is not None and self._layout is not None
@@ -629,23 +631,23 @@ class WorkerSide:
         self._gc(now)
         d_rank = int(msg["rank"])
         if t in self._tombstones:
-            await self._notify(d_rank, m.encode("ABORT", t, why="the prefill request was aborted or timed out"))
+            await self._notify(d_rank, encode_message("ABORT", t, why="the prefill request was aborted or timed out"))
             return
         if msg.get("layout") != self._layout.key():
             why = _describe_mismatch("P", self._layout.key(), ("D", "?", str(msg.get("layout"))))
-            await self._notify(d_rank, m.encode("FAIL", t, why=why))
+            await self._notify(d_rank, encode_message("FAIL", t, why=why))
             return
         kv = await self._ctx.get_remote_mem(d_rank, name="kv", timeout=10)
         peer = await self._ctx.peer(d_rank)
         offsets = [int(o) for o in msg["offsets"]]
-        blocks = m.unruns(msg["blocks"])
+        blocks = unruns(msg["blocks"])
         if len(offsets) != len(self._offsets) or any(o < 0 or o + self._page > kv.nbytes for o in offsets):
-            await self._notify(d_rank, m.encode("FAIL", t, why="the decode worker's KV layout does not match"))
+            await self._notify(d_rank, encode_message("FAIL", t, why="the decode worker's KV layout does not match"))
             return
         num_blocks = (kv.nbytes - max(offsets)) // self._page
         n = int(msg["n"])
         if int(msg["first"]) + len(blocks) != -(-n // self.block_size) or any(not 0 <= b < num_blocks for b in blocks):
-            await self._notify(d_rank, m.encode("FAIL", t, why="block ids out of the decode worker's KV cache"))
+            await self._notify(d_rank, encode_message("FAIL", t, why="block ids out of the decode worker's KV cache"))
             return
         dest = Dest(d_rank, str(msg["req"]), int(msg["first"]), blocks, offsets, kv, peer, now)
         with self._lock:
@@ -661,7 +663,7 @@ class WorkerSide:
             return
         if not job.claimed:
             job.claimed = True
-            await self._send(peer, m.encode("CLAIM", t, rank=self.rank))
+            await self._send(peer, encode_message("CLAIM", t, rank=self.rank))
         if job.final and job.state == "open":
             await self._push_rest(job, dest)
 
