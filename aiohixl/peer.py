@@ -11,6 +11,7 @@ from typing import Any, Union
 from ._agent.peer_core import PeerCore
 from ._construct import NoPublicConstructor
 from ._control import wire as w
+from ._loop.backends import Op as _Op
 from ._loop.native import lib
 from .errors import (
     AccessDenied,
@@ -116,13 +117,13 @@ class Peer(metaclass=NoPublicConstructor):
         yields with ``.imm`` set.
 
         Under asyncio a plain put on a path already set up is checked and posted
-        at the call and returns its Future (``gather`` takes it as it is: no Task
-        per op); a refusal is raised at the call.
+        at the call (a refusal is raised there) and returns its own awaitable,
+        which asyncio's combinators take as a coroutine.
         """
         if timeout is None and notify is None and imm is None:
-            future = self._post_now(_PUT, remote, local, "Peer.put")
-            if future is not None:
-                return future
+            op = self._post_now(_PUT, remote, local, "Peer.put")
+            if op is not None:
+                return op
         return self._transfer(lib.HX_OP_PUT, ((remote, local),), timeout, "Peer.put", imm, notify)
 
     def get(self, local: LocalRef, remote: RemoteRef, *, timeout: float | None = None) -> Awaitable[None]:
@@ -130,14 +131,14 @@ class Peer(metaclass=NoPublicConstructor):
 
         Posted at the call under asyncio, like ``put``."""
         if timeout is None:
-            future = self._post_now(_GET, remote, local, "Peer.get")
-            if future is not None:
-                return future
+            op = self._post_now(_GET, remote, local, "Peer.get")
+            if op is not None:
+                return op
         return self._transfer(lib.HX_OP_GET, ((remote, local),), timeout, "Peer.get")
 
     def _post_now(self, opcode: int, remote: Any, local: Any, what: str) -> Any:
-        """The op's Future, posted now, when nothing needs awaiting first: asyncio, room in
-        the ring, the path of its region known. None otherwise (the coroutine path does it).
+        """The op's awaitable (``backends.Op``), posted now, when nothing needs awaiting
+        first: asyncio, room in the ring, the path of its region known. None otherwise (the coroutine path does it).
 
         The hot path of every single put and get: the checks of ``_check`` written out for
         the usual arguments (slices), ``_check`` itself for anything else or to raise."""
@@ -185,8 +186,8 @@ class Peer(metaclass=NoPublicConstructor):
                 else link.post_one(engine, opcode, rs, ls, what, core)
             )
             if waiter is not None:
-                return waiter
-        return engine.backend.done_waiter()  # type: ignore[union-attr]  # attached: loop is set
+                return _Op(waiter)
+        return _Op(None)
 
     async def put_many(
         self,

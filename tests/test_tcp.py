@@ -132,45 +132,54 @@ async def test_bursts_announced_frame_by_frame_are_all_answered(pair):
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_held_burst_goes_out_when_its_first_op_gets_a_waiter(pair):
-    """gather() attaching its callback to the burst's first put sends the burst then, not a
-    loop iteration later; a burst nobody waits on yet goes out with the loop's next turn."""
+    """A task awaiting the burst's first put sends the burst then, not a loop iteration
+    later; a burst gathered, or that nobody waits on yet, goes out with the loop's next turn."""
     peer, kv, src, src_arr, target = pair["peer"], pair["kv"], pair["src"], pair["src_arr"], pair["target"]
     agent = pair["agent"]
     size, count = 64 << 10, 8
     for _ in range(2):  # the first burst of a run is not held whole: its first put goes alone
         held = [peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count)]
         assert hooks.held_ops(agent)  # held for a flush
-        gathered = asyncio.gather(*held)
-        assert not hooks.held_ops(agent)  # flushed by gather itself, before the loop turned
-        await gathered
+        await held[0]  # this task waits on the first: the burst goes out now
+        assert not hooks.held_ops(agent)
+        await asyncio.gather(*held[1:])
     held = [peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count)]
     assert hooks.held_ops(agent)
-    await asyncio.sleep(0)  # no waiter yet: the loop's turn flushes them
+    gathered = asyncio.gather(*held)  # a Task per op: they step on the loop's turn
+    await asyncio.sleep(0)  # the loop's turn flushes them
     assert not hooks.held_ops(agent)
-    await asyncio.gather(*held)
+    await gathered
     assert await target.hash("kv", 0, size * count) == sha(src_arr[: size * count])
 
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_waiter_per_op_as_posted_does_not_split_the_burst(pair):
-    """A callback attached to each put as it is posted (eager tasks do this) leaves the burst
-    whole for the loop's turn; the finished burst's first future flushes nothing later on."""
+    """A task per put, made as it is posted (with eager tasks each awaits its op at once),
+    leaves the burst whole for the loop's turn; the finished burst's first op flushes
+    nothing later on."""
     peer, kv, src, src_arr, target = pair["peer"], pair["kv"], pair["src"], pair["src_arr"], pair["target"]
     agent = pair["agent"]
     size, count = 64 << 10, 8
     await asyncio.gather(*(peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(2)))
     ended: list[int] = []
     first = []
-    for i in range(count):
-        fut = peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size])
-        fut.add_done_callback(lambda f, i=i: ended.append(i))
-        first.append(fut)
+    loop = asyncio.get_running_loop()
+    factory = loop.get_task_factory()
+    if hasattr(asyncio, "eager_task_factory"):  # 3.12+: each task awaits its op as it is made
+        loop.set_task_factory(asyncio.eager_task_factory)
+    try:
+        for i in range(count):
+            task = asyncio.ensure_future(peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]))
+            task.add_done_callback(lambda f, i=i: ended.append(i))
+            first.append(task)
+    finally:
+        loop.set_task_factory(factory)
     assert hooks.held_ops(agent) == count  # all held: one burst
     await asyncio.sleep(0)  # the loop's turn sends it
     assert not hooks.held_ops(agent)
     await asyncio.gather(*first)
     held = [peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count)]
-    first[0].add_done_callback(lambda f: None)  # the old burst's first future: not this burst's
+    await first[0]  # the old burst's first op: not this burst's
     assert hooks.held_ops(agent) == count
     await asyncio.gather(*held)
     assert sorted(ended) == list(range(count))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 from collections.abc import Callable
-from contextvars import Context, copy_context
 from typing import Any
 
 import sniffio
@@ -23,10 +22,6 @@ class Backend:
     def watch(self, fd: int, on_readable: Callable[[], None]) -> None: ...
     def unwatch(self, fd: int) -> None: ...
     def new_waiter(self) -> Any: ...
-    def done_waiter(self) -> Any:
-        """asyncio: the done Future of an op that ended as it was posted, its own."""
-        raise NotImplementedError
-
     def resolve(self, waiter: Any, exc: BaseException | None) -> None: ...
     def pending(self, waiter: Any) -> bool:
         """Whether someone still waits on it (not resolved, not cancelled)."""
@@ -41,61 +36,62 @@ class Backend:
         return True
 
 
-class OpFuture(asyncio.Future):
-    """The Future an op resolves, which is also a coroutine.
+class Op:
+    """What a plain ``put``/``get`` returns under asyncio: that op's own awaitable, which
+    asyncio takes as a coroutine (it has ``send``/``throw``/``close``), so every combinator
+    treats it as it treats any coroutine: ``create_task``, ``TaskGroup`` and anyio take it,
+    ``gather``/``wait_for``/``shield``/``as_completed``/``ensure_future`` wrap it in a Task,
+    and ``asyncio.wait`` takes those Tasks. ``await op`` itself makes no Task: it awaits
+    the op's Future, or nothing for an op that ended as it was posted (``waiter`` None).
 
-    ``gather``/``wait_for``/``await`` take it as a Future (no Task per op);
-    ``create_task`` takes it as a coroutine, as it did when ops were coroutines.
-    """
+    Unlike a coroutine it may be awaited again (it returns at once), and one that is never
+    awaited still moves its bytes: the op was posted when it was made."""
 
-    _steps: Any = None
+    __slots__ = ("_waiter", "_steps")
+
+    def __init__(self, waiter: asyncio.Future | None) -> None:
+        self._waiter = waiter
+        self._steps: Any = None
+
+    def __await__(self) -> Any:
+        waiter = self._waiter
+        return iter(()) if waiter is None else waiter.__await__()
+
+    def done(self) -> bool:
+        """Whether awaiting it returns at once: the op ended (or the Task awaiting it was
+        cancelled; the op itself then still finishes in the background)."""
+        waiter = self._waiter
+        return waiter is None or waiter.done()
 
     def send(self, value: Any) -> Any:
-        if self._steps is None:
-            if self.done():  # ended as it was posted: nothing to step through
-                raise StopIteration(self.result())
-            self._steps = self.__await__()
-        return self._steps.send(value)
+        steps = self._steps
+        if steps is None:
+            waiter = self._waiter
+            if waiter is None:  # ended as it was posted
+                raise StopIteration
+            steps = self._steps = waiter.__await__()
+        return steps.send(value)
 
-    def throw(self, *exc: Any) -> Any:
-        if self._steps is None:
-            self._steps = self.__await__()
-        return self._steps.throw(*exc)
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        steps = self._steps
+        if steps is None:  # not started: it ends with that exception, as a coroutine does
+            exc = typ if val is None else val
+            raise exc() if isinstance(exc, type) else exc
+        return steps.throw(typ) if val is None else steps.throw(typ, val, tb)
 
     def close(self) -> None:
-        if self._steps is not None:
-            self._steps.close()
+        steps = self._steps
+        if steps is not None:
+            steps.close()
 
 
-collections.abc.Coroutine.register(OpFuture)
+collections.abc.Coroutine.register(Op)
 
 
-class DoneOpFuture(OpFuture):
-    """The Future of an op that ended as it was posted: its own, done from the start, so
-    that ``wait``, ``as_completed`` and a dict keyed by op see each op.
-
-    A callback attached to it runs on the loop's next turn, as on any done Future, but
-    the callbacks attached to such futures in one turn share one ``call_soon``: gather on
-    3.11 attaches one to each future it is given, and a Handle each made a gather of many
-    tiny same-host ops cost a third more. They run together, in the order attached, at
-    the place of the first in the loop's queue."""
-
-    __slots__ = ("_backend",)  # no __dict__ made per op
-    _backend: AsyncioBackend
-
-    def add_done_callback(self, fn: Any, *, context: Any = None) -> None:
-        backend = self._backend
-        due = backend.due
-        if due is None:
-            backend.loop.call_soon(backend.run_due)  # raises on a closed loop, as Future's does
-            due = backend.due = []
-        due.append((fn, self, copy_context() if context is None else context))
-
-
-class HeldOpFuture(OpFuture):
+class HeldOpFuture(asyncio.Future):
     """The Future of the first op of a burst that its transport holds until the loop's
-    current callbacks have run (tcp). The first callback attached to it (``gather``'s, or
-    a Task's that awaits it) sends the burst at once: by then every op of it is posted, and
+    current callbacks have run (tcp). The first callback attached to it (the Task's that
+    awaits it) sends the burst at once: by then every op of it is posted, and
     the loop need not turn once more first."""
 
     flush: Any = None  # the engine's early flush of this burst; None once the burst is out
@@ -118,7 +114,6 @@ class AsyncioBackend(Backend):
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task] = set()
-        self.due: list[tuple[Any, DoneOpFuture, Context]] | None = None  # DoneOpFuture's callbacks
 
     def is_current(self) -> bool:
         try:
@@ -134,27 +129,7 @@ class AsyncioBackend(Backend):
             self.loop.remove_reader(fd)
 
     def new_waiter(self) -> asyncio.Future:
-        return OpFuture(loop=self.loop)
-
-    def done_waiter(self) -> asyncio.Future:
-        done = DoneOpFuture(loop=self.loop)
-        done._backend = self
-        done.set_result(None)
-        return done
-
-    def run_due(self) -> None:
-        due, self.due = self.due or [], None  # one attached while these run waits for the next turn
-        for i, (fn, future, context) in enumerate(due):
-            try:
-                context.run(fn, future)
-            except (SystemExit, KeyboardInterrupt):
-                for later in due[i + 1 :]:  # still run, as their own Handles would
-                    self.loop.call_soon(later[0], later[1], context=later[2])
-                raise
-            except BaseException as exc:  # reported as asyncio's Handle reports a failed callback
-                self.loop.call_exception_handler(
-                    {"message": f"Exception in callback {fn!r}", "exception": exc, "future": future}
-                )
+        return self.loop.create_future()
 
     def resolve(self, waiter: asyncio.Future, exc: BaseException | None) -> None:
         if waiter.done():  # the awaiting task was cancelled

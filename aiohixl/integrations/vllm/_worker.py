@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import aiohixl
 
 from ...errors import HixlError, InvalidArgument
-from ...remote import RemoteRegion
+from ...remote import RemoteRegion, RemoteSlice
 from ._config import Layout, Settings, group_name, parse_group
 from ._messages import decode as decode_message
 from ._messages import encode as encode_message
@@ -50,7 +50,7 @@ class Dest:
     first_block: int
     block_ids: list[int]
     layer_offsets: list[int]
-    kv: RemoteRegion
+    kv: RemoteRegion | RemoteSlice
     peer: aiohixl.Peer
     arrived: float
 
