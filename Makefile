@@ -2,6 +2,7 @@
 # make demo      PD-disaggregated serving end to end (examples/pd_serving/run.py): a real model,
 #                an aiohttp prefill server, a FastAPI decode server, layer-wise KV push vs baselines
 # make example   run examples/quickstart.py
+# make test-vllm the vLLM tier (tests/vllm): vLLM's CPU build in build/venv-vllm, real api_server pairs
 # make lint      ruff (lint + format), mypy, clang-format: all must be clean
 # WITH_TORCH=1   also install torch (CPU) so the torch tests run instead of skipping
 PYTHON ?= python3
@@ -81,3 +82,11 @@ test-rdma: venv
 	$(PY) -c 'from aiohixl._native import lib; raise SystemExit(0 if lib.hx_verbs_built() else 1)' \
 		|| $(PY) -m pip install -q -e .
 	SOFTROCE_CPUS=2 SOFTROCE_VERBOSE=1 $(SOFTROCE)/run.sh '$(RDMA_PYTEST)'
+
+# The vLLM tier: AiohixlConnector between real vLLM api_server instances (CPU build), through
+# the proxy, against a single instance's greedy tokens. Its own venv (tests/vllm/setup_venv.sh).
+VLLM_VENV ?= build/venv-vllm
+.PHONY: test-vllm
+test-vllm:
+	tests/vllm/setup_venv.sh $(VLLM_VENV)
+	AIOHIXL_TEST_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -v tests/vllm $(PYTEST_ARGS)

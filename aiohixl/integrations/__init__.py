@@ -1,0 +1,1 @@
+"""Integrations of aiohixl into serving systems (``aiohixl.integrations.vllm``)."""
