@@ -316,8 +316,8 @@ async def start_arm(setup: Setup, arm: Arm) -> Running:
             trace_prefix = setup.workdir / f"{arm.name}.trace"
             extra = {"store": f"tcp://127.0.0.1:{store_port}", "trace": str(trace_prefix), **arm.extra}
             base = {"kv_connector": "AiohixlConnector", "kv_connector_module_path": "aiohixl.integrations.vllm"}
-            p_kv = dict(base, kv_role="kv_producer", kv_connector_extra_config=extra)
-            d_kv = dict(base, kv_role="kv_consumer", kv_connector_extra_config=extra)
+            p_kv = dict(base, kv_role="kv_producer", engine_id="p0", kv_connector_extra_config=extra)
+            d_kv = dict(base, kv_role="kv_consumer", engine_id="d0", kv_connector_extra_config=extra)
             p_env = d_env = {}
         prefill = setup.server(arm, "prefill", p_port, p_kv, p_env)
         started.append(prefill)
