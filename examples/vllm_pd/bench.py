@@ -280,9 +280,12 @@ class Running:
     decode_url: str | None = None
     trace_prefix: Path | None = None
     proxy_trace: Path | None = None
+    store: Proc | None = None
+    server_urls: list[str] = field(default_factory=list)
 
     def stop(self) -> None:
-        for p in [*self.others, *self.servers]:
+        # The store last: instances losing it mid-shutdown only log about it.
+        for p in [*self.others, *self.servers, *([self.store] if self.store else [])]:
             p.stop()
 
 
@@ -296,10 +299,12 @@ async def start_arm(setup: Setup, arm: Arm) -> Running:
             single = setup.server(arm, "single", port, None, {})
             started.append(single)
             await wait_http(single, f"http://127.0.0.1:{port}/health", a.start_timeout)
-            return Running(f"http://127.0.0.1:{port}", [single], [])
+            url = f"http://127.0.0.1:{port}"
+            return Running(url, [single], [], server_urls=[url])
 
         p_port, d_port, proxy_port = free_port(), free_port(), free_port()
         others: list[Proc] = []
+        store = None
         trace_prefix = proxy_trace = None
         if arm.connector == "nixl":
             kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
@@ -311,10 +316,15 @@ async def start_arm(setup: Setup, arm: Arm) -> Running:
             listen = f"127.0.0.1:{store_port}"
             store = setup.helper(arm, "store", [python, "-m", "aiohixl", "store", "--listen", listen])
             started.append(store)
-            others.append(store)
             await wait_port(store, store_port, 60)
             trace_prefix = setup.workdir / f"{arm.name}.trace"
-            extra = {"store": f"tcp://127.0.0.1:{store_port}", "trace": str(trace_prefix), **arm.extra}
+            # A loaded 2-core machine can take longer than the default 30 s to prefill 4 x 2048 tokens.
+            extra = {
+                "store": f"tcp://127.0.0.1:{store_port}",
+                "trace": str(trace_prefix),
+                "registration_timeout_s": a.request_timeout,
+                **arm.extra,
+            }
             base = {"kv_connector": "AiohixlConnector", "kv_connector_module_path": "aiohixl.integrations.vllm"}
             p_kv = dict(base, kv_role="kv_producer", engine_id="p0", kv_connector_extra_config=extra)
             d_kv = dict(base, kv_role="kv_consumer", engine_id="d0", kv_connector_extra_config=extra)
@@ -337,7 +347,8 @@ async def start_arm(setup: Setup, arm: Arm) -> Running:
             wait_http(decode, f"{d_url}/health", a.start_timeout),
             wait_port(proxy, proxy_port, a.start_timeout),
         )
-        return Running(f"http://127.0.0.1:{proxy_port}", [prefill, decode], others, d_url, trace_prefix, proxy_trace)
+        url = f"http://127.0.0.1:{proxy_port}"
+        return Running(url, [prefill, decode], others, d_url, trace_prefix, proxy_trace, store, [p_url, d_url])
     except BaseException:
         for p in reversed(started):
             p.stop()
@@ -419,6 +430,22 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
             key = m.group(1) + m.group(2)
             out[key] = out.get(key, 0.0) + float(m.group(4))
     return out
+
+
+async def wait_drained(session: aiohttp.ClientSession, urls: list[str], timeout_s: float) -> None:
+    """Until no instance runs or queues a request (a failed request may still be prefilling)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = 0.0
+        for url in urls:
+            async with session.get(f"{url}/metrics") as r:
+                for line in (await r.text()).splitlines():
+                    if re.match(r"vllm:num_requests_(running|waiting)\{", line):
+                        busy += float(line.rsplit(" ", 1)[1])
+        if busy == 0:
+            return
+        await asyncio.sleep(0.5)  # polling the servers' gauges
+    raise RuntimeError(f"instances still busy {timeout_s:.0f} s after the last request")
 
 
 async def nixl_round_stats(session, d_url: str, before: dict[str, float], expected: int) -> dict[str, Any]:
@@ -552,6 +579,7 @@ async def run_arm(setup: Setup, arm: Arm, prompts: dict[str, list[int]]) -> dict
                         req["prefill_ms"] = (s["p_done"] - s["p_sent"]) / 1e6
                         req["handoff_ms"] = (s["d_first"] - s["p_done"]) / 1e6
             roots = [p.pid for p in running.servers]
+            await wait_drained(session, running.server_urls, a.request_timeout)
             await asyncio.sleep(a.settle_s)  # vLLM's workers poll for work a while after the last step
             result["idle_cpu"] = await idle_cpu(roots, a.idle_s)
             print(f"[{arm.name}] idle CPU {result['idle_cpu']['cores'] * 100:.2f}% of a core", flush=True)
