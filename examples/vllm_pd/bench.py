@@ -181,7 +181,10 @@ def tree(root: int) -> list[int]:
     return out
 
 
-def thread_ticks(pids: list[int]) -> dict[tuple[int, int], tuple[str, int]]:
+Ticks = dict[tuple[int, int], tuple[str, int]]
+
+
+def thread_ticks(pids: list[int]) -> Ticks:
     """(pid, tid) -> (process:thread name, utime+stime ticks) for every thread of ``pids``."""
     out = {}
     for pid in pids:
@@ -206,7 +209,12 @@ async def idle_cpu(roots: list[int], seconds: float) -> dict[str, Any]:
     pids = [p for r in roots for p in tree(r)]
     before = thread_ticks(pids)
     await asyncio.sleep(seconds)  # the measurement window itself
-    after = thread_ticks(pids)
+    return cpu_between(before, thread_ticks(pids), seconds)
+
+
+def cpu_between(before: Ticks, after: Ticks, seconds: float) -> dict[str, Any]:
+    """Cores used between two ``thread_ticks`` snapshots, and the busiest threads."""
+    pids = {pid for pid, _ in after}
     deltas = {k: (after[k][0], after[k][1] - before[k][1]) for k in after if k in before}
     total = sum(d for _, d in deltas.values())
     top = sorted(deltas.items(), key=lambda kv: -kv[1][1])[:6]
@@ -257,6 +265,8 @@ class Setup:
             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             AIOHIXL_TOKEN=self.token,
             VLLM_CPU_OMP_THREADS_BIND="0" if role in ("single", "prefill") else "1",
+            # NIXL's prefill forward of 2048 tokens took over the default 300 s on the loaded 2-core box.
+            VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=str(int(a.request_timeout * 4)),
             **env_extra,
         )
         return Proc(f"{arm.name}.{role}", cmd, env, self.workdir / f"{arm.name}.{role}.log")
@@ -522,6 +532,8 @@ async def run_arm(setup: Setup, arm: Arm, prompts: dict[str, list[int]]) -> dict
                     raise RuntimeError(f"warm-up request failed: {warm['error']}")
             traces_seen: set[str] = set(read_traces(running.trace_prefix)) if running.trace_prefix else set()
             budget_end = time.monotonic() + a.arm_budget_s
+            server_pids = [pid for p in running.servers for pid in tree(p.pid)]
+            busy_from, busy_t0 = thread_ticks(server_pids), time.monotonic()
             for c in a.concurrency:
                 for length in a.lengths:
                     for r in range(math.ceil(a.requests / c)):
@@ -578,6 +590,8 @@ async def run_arm(setup: Setup, arm: Arm, prompts: dict[str, list[int]]) -> dict
                     if s and "d_first" in s:
                         req["prefill_ms"] = (s["p_done"] - s["p_sent"]) / 1e6
                         req["handoff_ms"] = (s["d_first"] - s["p_done"]) / 1e6
+            # Where the pair's CPU went while it served (NIXL: its progress threads beside the forward).
+            result["busy_cpu"] = cpu_between(busy_from, thread_ticks(server_pids), time.monotonic() - busy_t0)
             roots = [p.pid for p in running.servers]
             await wait_drained(session, running.server_urls, a.request_timeout)
             await asyncio.sleep(a.settle_s)  # vLLM's workers poll for work a while after the last step
