@@ -522,7 +522,12 @@ async def run_arm(setup: Setup, arm: Arm, prompts: dict[str, list[int]]) -> dict
         print(f"[{arm.name}] did not start: {exc}", flush=True)
         return {"status": f"did not start: {exc}"}
     print(f"[{arm.name}] up after {time.monotonic() - t_start:.0f} s", flush=True)
-    result: dict[str, Any] = {"status": "ok", "startup_s": time.monotonic() - t_start, "requests": []}
+    result: dict[str, Any] = {
+        "status": "ok",
+        "startup_s": time.monotonic() - t_start,
+        "loadavg_at_start": os.getloadavg(),  # the machine is shared: how busy it was
+        "requests": [],
+    }
     timeout = aiohttp.ClientTimeout(total=a.request_timeout)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
