@@ -335,9 +335,12 @@ async def start_arm(setup: Setup, arm: Arm) -> Running:
                 "registration_timeout_s": a.request_timeout,
                 **arm.extra,
             }
-            base = {"kv_connector": "AiohixlConnector", "kv_connector_module_path": "aiohixl.integrations.vllm"}
-            p_kv = dict(base, kv_role="kv_producer", engine_id="p0", kv_connector_extra_config=extra)
-            d_kv = dict(base, kv_role="kv_consumer", engine_id="d0", kv_connector_extra_config=extra)
+            base: dict[str, Any] = {
+                "kv_connector": "AiohixlConnector",
+                "kv_connector_module_path": "aiohixl.integrations.vllm",
+            }
+            p_kv = {**base, "kv_role": "kv_producer", "engine_id": "p0", "kv_connector_extra_config": extra}
+            d_kv = {**base, "kv_role": "kv_consumer", "engine_id": "d0", "kv_connector_extra_config": extra}
             p_env = d_env = {}
         prefill = setup.server(arm, "prefill", p_port, p_kv, p_env)
         started.append(prefill)
@@ -547,13 +550,14 @@ async def run_arm(setup: Setup, arm: Arm, prompts: dict[str, list[int]]) -> dict
                             print(f"[{arm.name}] over its time budget: skipping c={c} L={length} r={r}", flush=True)
                             continue
                         keys = [f"L{length}.c{c}.r{r}.i{i}" for i in range(c)]
-                        before = await scrape(session, running.decode_url) if arm.connector == "nixl" else {}
+                        nixl_d = running.decode_url if arm.connector == "nixl" else None
+                        before = await scrape(session, nixl_d) if nixl_d else {}
                         done = await asyncio.gather(
                             *(complete(session, running.url, prompts[k], a.max_tokens, f"{arm.name}-{k}") for k in keys)
                         )
                         nixl = {}
-                        if arm.connector == "nixl" and running.decode_url:
-                            nixl = await nixl_round_stats(session, running.decode_url, before, c)
+                        if nixl_d:
+                            nixl = await nixl_round_stats(session, nixl_d, before, c)
                         transfers: list[dict[str, Any]] = []
                         if running.trace_prefix is not None:
                             traces = read_traces(running.trace_prefix)
