@@ -317,7 +317,7 @@ async def start_arm(setup: Setup, arm: Arm) -> Running:
         store = None
         trace_prefix = proxy_trace = None
         if arm.connector == "nixl":
-            kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+            kv: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
             p_kv, d_kv = kv, kv
             p_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
             d_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
