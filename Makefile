@@ -89,4 +89,4 @@ VLLM_VENV ?= build/venv-vllm
 .PHONY: test-vllm
 test-vllm:
 	tests/vllm/setup_venv.sh $(VLLM_VENV)
-	AIOHIXL_TEST_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -v tests/vllm $(PYTEST_ARGS)
+	AIOHIXL_TEST_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -v --timeout=2400 tests/vllm $(PYTEST_ARGS)

@@ -151,6 +151,8 @@ class Server(Proc):
             str(self.port),
             "--kv-cache-memory-bytes",
             str(256 << 20),
+            "--served-model-name",
+            "m",
             *args,
         ]
         if role is not None:

@@ -1,6 +1,6 @@
 """Failures mid-transfer and at startup: bounded, freed, named, and served again afterwards.
 
-Runs after test_tokens (it kills and restarts the shared decode and tcp-prefill instances).
+Runs after test_correctness (it kills and restarts the shared decode and tcp-prefill instances).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 
 from .conftest import Cluster, Server, http_json, wait_until
-from .test_tokens import body, prompt, tokens
+from .test_correctness import body, prompt, tokens
 
 LONG = 960  # 15 prefill steps of 64 tokens on the tcp pair: time to act mid-transfer
 

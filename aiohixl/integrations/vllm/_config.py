@@ -21,6 +21,7 @@ DEFAULTS: dict[str, Any] = {
     "transports": "auto",  # "auto", or a list such as ["tcp"] to keep shared memory out
     "rank_base": None,  # first aiohixl rank of this instance's workers; default from the engine id
     "layerwise": True,  # push each layer from save_kv_layer; False: everything after the forward
+    "registration_wait_s": 0.2,  # P: how long a request may wait for decode's REG before computing anyway
     "registration_timeout_s": 30.0,  # D: fail a request whose KV has not arrived by then; P: lease
     "save_timeout_s": 30.0,  # P: longest wait_for_save waits for this step's puts
     "cancel_timeout_s": 10.0,  # D: longest wait for the prefill side to confirm it stopped writing
@@ -39,6 +40,7 @@ class Settings:
     transports: str | tuple[str, ...]
     rank_base: int
     layerwise: bool
+    registration_wait_s: float
     registration_timeout_s: float
     save_timeout_s: float
     cancel_timeout_s: float
@@ -78,6 +80,7 @@ def read_settings(extra: dict[str, Any], engine_id: str) -> Settings:
         transports=transports,
         rank_base=int(cfg["rank_base"]) if cfg["rank_base"] is not None else default_rank_base(engine_id),
         layerwise=bool(cfg["layerwise"]),
+        registration_wait_s=float(cfg["registration_wait_s"]),
         registration_timeout_s=float(cfg["registration_timeout_s"]),
         save_timeout_s=float(cfg["save_timeout_s"]),
         cancel_timeout_s=float(cfg["cancel_timeout_s"]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -49,3 +49,14 @@ class AiohixlMetadata(KVConnectorMetadata):
     skips: list[Skip] = field(default_factory=list)
     sends: list[SendStep] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)  # prefill side: transfer ids of aborted requests
+
+
+@dataclass
+class AiohixlWorkerMetadata(KVConnectorWorkerMetadata):
+    """Prefill worker -> its scheduler: transfers whose decode blocks are now known (REG or SKIP)."""
+
+    registered: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, AiohixlWorkerMetadata)
+        return AiohixlWorkerMetadata(self.registered | other.registered)

@@ -136,6 +136,7 @@ class WorkerSide:
         self._skipped: dict[str, float] = {}
         self._tombstones: dict[str, float] = {}
         self._finished_reqs: set[str] = set()
+        self._registered: set[str] = set()  # for the scheduler: REG or SKIP arrived
         self._plan: list[tuple[Job, Dest, list[tuple[int, int]]]] = []
         self._finals: list[Job] = []
         self._step_puts: list[asyncio.Future[Any]] = []
@@ -322,9 +323,9 @@ class WorkerSide:
             # pushes the rest at once (below, or in _on_registration).
             with self._lock:
                 job.final, job.final_at = True, now
-                dest = self._dests.get(job.transfer_id)
-            if dest is not None and job.state == "open":
-                await self._push_rest(job, dest)
+                late = self._dests.get(job.transfer_id)
+            if late is not None and job.state == "open":
+                await self._push_rest(job, late)
 
     async def _send_done(self, job: Job, dest: Dest) -> None:
         self.trace.event("last_put_done", job.transfer_id, job.req_id, job.nbytes)
@@ -380,6 +381,13 @@ class WorkerSide:
             if job is not None:
                 job.state = "cancelled"
 
+    def take_registered(self) -> set[str]:
+        if not self._registered:
+            return set()
+        with self._lock:
+            out, self._registered = self._registered, set()
+        return out
+
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) for this step."""
         if self.producer:
@@ -392,7 +400,7 @@ class WorkerSide:
         now = time.monotonic()
         out: set[str] = set()
         with self._lock:
-            self._finished_reqs |= finished_req_ids
+            self._finished_reqs |= finished_req_ids & {job.req_id for job in self._jobs.values()}
             for t, job in list(self._jobs.items()):
                 if job.final and job.state == "open" and now - job.final_at > self.settings.registration_timeout_s:
                     log.warning(
@@ -442,6 +450,7 @@ class WorkerSide:
                 rank=self.rank,
                 req=r.req_id,
                 first=r.first_block,
+                n=r.num_prompt_tokens,
                 blocks=m.runs(r.block_ids),
                 offsets=self._offsets,
                 layout=self._layout.key(),
@@ -460,6 +469,8 @@ class WorkerSide:
 
     async def _notify(self, rank: int, data: bytes) -> bool:
         assert self._ctx is not None
+        if rank not in self._ctx.store.records:
+            return False  # gone: waiting for it to come back would hold up every other message
         try:
             await self._ctx.notify(rank, data, timeout=10)
             return True
@@ -507,11 +518,15 @@ class WorkerSide:
             if not await self._notify(rank, msg):
                 p.targets.discard(rank)  # unreachable: it writes nothing more
         deadline = time.monotonic() + self.settings.cancel_timeout_s
-        while p.targets and p.transfer_id in self._pending and time.monotonic() < deadline:
-            assert self._watch_wake is not None
-            self._watch_wake.clear()
+        wake = self._watch_wake
+        assert wake is not None
+        while True:
+            wake.clear()  # before looking: an answer from here on wakes the wait
+            left = deadline - time.monotonic()
+            if not p.targets or p.transfer_id not in self._pending or left <= 0:
+                break
             try:
-                await asyncio.wait_for(self._watch_wake.wait(), deadline - time.monotonic())
+                await asyncio.wait_for(wake.wait(), left)
             except asyncio.TimeoutError:
                 break
         self._fail_pending(p.transfer_id, why)
@@ -534,7 +549,8 @@ class WorkerSide:
             try:
                 lost = await store.wait_for("AiohixlConnector", gone, None)
             except HixlError as exc:
-                log.error("aiohixl: the rank store is gone (%s): waiting requests fail by their deadline", exc)
+                if not store.closed:  # closed: we are shutting down
+                    log.error("aiohixl: the rank store is gone (%s): waiting requests fail by their deadline", exc)
                 return
             for t, rank in lost or ():
                 self._fail_pending(t, f"prefill rank {rank} left the store (its process ended) mid-transfer")
@@ -589,6 +605,7 @@ class WorkerSide:
         elif op == "SKIP":
             self._skipped[t] = time.monotonic()
             with self._lock:
+                self._registered.add(t)
                 job = self._jobs.get(t)
                 if job is not None and job.state == "open":
                     job.state = "skipped"
@@ -626,19 +643,21 @@ class WorkerSide:
             await self._notify(d_rank, m.encode("FAIL", t, why="the decode worker's KV layout does not match"))
             return
         num_blocks = (kv.nbytes - max(offsets)) // self._page
-        if any(not 0 <= b < num_blocks for b in blocks):
+        n = int(msg["n"])
+        if int(msg["first"]) + len(blocks) != -(-n // self.block_size) or any(not 0 <= b < num_blocks for b in blocks):
             await self._notify(d_rank, m.encode("FAIL", t, why="block ids out of the decode worker's KV cache"))
             return
         dest = Dest(d_rank, str(msg["req"]), int(msg["first"]), blocks, offsets, kv, peer, now)
         with self._lock:
             self._dests[t] = dest
+            self._registered.add(t)
             job = self._jobs.get(t)
         if job is None:
             return
         if job.state == "skipped":
             return
-        if job.block_ids and len(job.block_ids) < dest.first_block + len(blocks) - 1:
-            await self._fail(job, dest, "the two instances disagree on the prompt's length")
+        if int(msg.get("n", job.num_prompt_tokens)) != job.num_prompt_tokens:
+            await self._fail(job, dest, f"decode has {msg.get('n')} prompt tokens, prefill {job.num_prompt_tokens}")
             return
         if not job.claimed:
             job.claimed = True

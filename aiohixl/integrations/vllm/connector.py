@@ -15,11 +15,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 
 from ...errors import InvalidArgument
 from ._config import Layout, read_settings
-from ._meta import AiohixlMetadata
+from ._meta import AiohixlMetadata, AiohixlWorkerMetadata
 from ._scheduler import SchedulerSide
 from ._worker import WorkerSide
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["AiohixlConnector"]
@@ -55,7 +57,9 @@ class AiohixlConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self.engine_id, self.producer, self.block_size)
+            self._sched = SchedulerSide(
+                self.engine_id, self.producer, self.block_size, self.settings.registration_wait_s
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -124,6 +128,11 @@ class AiohixlConnector(KVConnectorBase_V1):
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending, results.finished_recving
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._worker is not None
+        registered = self._worker.take_registered()
+        return AiohixlWorkerMetadata(registered) if registered else None
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
@@ -141,6 +150,10 @@ class AiohixlConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None
         return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._sched is not None
+        self._sched.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None

@@ -94,6 +94,25 @@ class Proxy:
         if auth:
             headers["Authorization"] = auth
         prefill = asyncio.ensure_future(self.run_prefill(p_url, p_body, headers))
+        try:
+            return await self.relay(request, body, d_url, d_body, headers, prefill, transfer_id)
+        finally:
+            # The client went away (the handler is cancelled): closing both upstream requests
+            # makes vLLM abort them, which frees their blocks on both sides.
+            if not prefill.done():
+                prefill.cancel()
+
+    async def relay(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        d_url: str,
+        d_body: dict[str, Any],
+        headers: dict[str, str],
+        prefill: asyncio.Future[None],
+        transfer_id: str,
+    ) -> web.StreamResponse:
+        assert self.session is not None
         who = f"decode instance {d_url}"
         try:
             try:
@@ -104,14 +123,10 @@ class Proxy:
                 if resp.status != 200:
                     text = await resp.text()
                     raise Upstream(who, f"HTTP {resp.status}: {text[:500]}")
-                if not body.get("stream"):
-                    try:
-                        data = await resp.read()
-                    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                        raise Upstream(who, f"{type(exc).__name__}: {exc}") from None
-                    await _settle(prefill)
-                    return web.Response(body=data, content_type="application/json")
-                first = asyncio.ensure_future(resp.content.readany())
+                stream = bool(body.get("stream"))
+                # Decode's first bytes, unless prefill fails first: then decode's request
+                # (whose KV will not come) is closed, which aborts it, and prefill is named.
+                first = asyncio.ensure_future(resp.content.readany() if stream else resp.read())
                 await asyncio.wait({first, prefill}, return_when=asyncio.FIRST_COMPLETED)
                 if prefill.done() and prefill.exception() is not None and not first.done():
                     first.cancel()
@@ -120,16 +135,20 @@ class Proxy:
                     chunk = await first
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                     raise Upstream(who, f"{type(exc).__name__}: {exc}") from None
+                if not stream:
+                    await _settle(prefill)
+                    return web.Response(body=chunk, content_type="application/json")
                 out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await out.prepare(request)
-                try:
-                    while chunk:
-                        await out.write(chunk)
+                while chunk:
+                    await out.write(chunk)  # a client gone raises here: both upstreams are closed
+                    try:
                         chunk = await resp.content.readany()
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                    # Headers are out: the error goes in the stream, as vLLM's own do.
-                    err = {"error": {"message": f"{who}: {type(exc).__name__}: {exc}", "type": "upstream"}}
-                    await out.write(f"data: {json.dumps(err)}\n\n".encode())
+                    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                        # Headers are out: the error goes in the stream, as vLLM's own do.
+                        err = {"error": {"message": f"{who}: {type(exc).__name__}: {exc}", "type": "upstream"}}
+                        await out.write(f"data: {json.dumps(err)}\n\n".encode())
+                        break
                 await out.write_eof()
                 await _settle(prefill)
                 return out
@@ -140,7 +159,6 @@ class Proxy:
                 perr = await _settle(prefill, 5.0)
                 if perr is not None and str(perr) not in causes:
                     causes.append(str(perr))
-            prefill.cancel()
             log.warning("request %s failed: %s", transfer_id, "; ".join(causes))
             return _error(502, "; ".join(causes))
 
@@ -192,7 +210,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one upstream request may take")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    web.run_app(make_app(a.prefill, a.decode, a.timeout), host=a.host, port=a.port, print=None)
+    # handler_cancellation: a client that goes away cancels its handler, which aborts both upstreams.
+    web.run_app(
+        make_app(a.prefill, a.decode, a.timeout), host=a.host, port=a.port, print=None, handler_cancellation=True
+    )
 
 
 if __name__ == "__main__":
