@@ -615,10 +615,14 @@ async def run_arm(setup: Setup, arm: Arm, prompts: dict[str, list[int]]) -> dict
 
 
 def pct(values: list[float], q: float) -> float | None:
+    """The q-quantile, interpolated between ranks (p50 of two values: their mean)."""
     values = sorted(v for v in values if v is not None)
     if not values:
         return None
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+    x = q * (len(values) - 1)
+    lo = int(x)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (x - lo)
 
 
 def summarize(arms: dict[str, dict[str, Any]], args: argparse.Namespace, geometry: dict[str, int]) -> dict[str, Any]:
@@ -747,6 +751,16 @@ def model_geometry(model: str) -> dict[str, int]:
     }
 
 
+def resummarize(path: str) -> int:
+    """Print the table and goals of an earlier run's JSON again (with this version's summary)."""
+    out = json.loads(Path(path).read_text())
+    args = argparse.Namespace(**out["meta"]["args"])
+    out["summary"] = summarize(out["arms"], args, out["meta"]["geometry"])
+    out["table"] = print_table(out["summary"])
+    Path(path).write_text(json.dumps(out, indent=1))
+    return 0
+
+
 async def amain(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or f"/tmp/vllm_pd_bench.{os.getpid()}")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -781,7 +795,8 @@ async def amain(args: argparse.Namespace) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="a model directory (examples/vllm_pd/make_model.py OUTDIR)")
+    ap.add_argument("--model", help="a model directory (examples/vllm_pd/make_model.py OUTDIR)")
+    ap.add_argument("--summarize", metavar="JSON", help="only print (and rewrite) the summary of an earlier run")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     ap.add_argument("--lengths", default="128,512,1024,2048", help="prompt lengths in tokens")
     ap.add_argument("--concurrency", default="1,4")
@@ -800,6 +815,10 @@ def main() -> int:
     ap.add_argument("--workdir", default=None, help="logs and traces (default /tmp/vllm_pd_bench.PID)")
     ap.add_argument("--json", default=None, help="where to write the results (default WORKDIR/bench.json)")
     args = ap.parse_args()
+    if args.summarize:
+        return resummarize(args.summarize)
+    if not args.model:
+        ap.error("--model is required")
     args.arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in args.arms if a not in ARM_SPECS]
     if unknown:
