@@ -19,6 +19,7 @@ import anyio
 from . import _control as c
 from . import _wire as w
 from . import transports as tr
+from ._backends import current_backend
 from ._engine import Engine
 from ._listener import Listener
 from ._native import check, ffi, lib
@@ -317,15 +318,19 @@ class Agent:
             peer.end_session()
             await peer.release_links()
         await self.engine.shutdown()
-        for peer in list(self._peers):
-            peer.free()
+        peers, regions = list(self._peers), list(self._regions.values())
         self._peers.clear()
-        self.engine.free()
-        for region in self._regions.values():
-            region.closed = True
-            region.pinned.release()
         self._regions.clear()
         self._named.clear()
+        for region in regions:
+            region.closed = True
+        # Unmapping GiBs takes a second: off the loop (a shm peer's free unmaps its mappings).
+        backend = self.engine.backend or current_backend()
+        try:
+            await backend.run_to_end(_free_all, peers)
+        finally:
+            self.engine.free()
+            await backend.run_to_end(_release_all, regions)
 
     def _close_abandoned(self) -> None:
         """An agent nobody closed (collected, or open at exit): warn, then free everything, synchronously.
@@ -534,11 +539,12 @@ class Agent:
         rc = lib.hx_region_remove(self.engine.native, region.id, 0)
         if rc == lib.HX_E_BUSY:
             # A remote access is still running on a native thread.
-            rc = await anyio.to_thread.run_sync(lib.hx_region_remove, self.engine.native, region.id, 1)
+            rc = await backend.run_to_end(lib.hx_region_remove, self.engine.native, region.id, 1)
         for transport in self._transports.values():
             transport.region_removed(region)
         self._regions.pop(region.id, None)
-        region.pinned.release()
+        # Unmapping a pool of GiBs takes a second: off the loop, and gone when close() returns.
+        await backend.run_to_end(region.pinned.release)
 
     def _lookup(self, by_name: bool, name: str, region_id: int, key: int) -> bytes | None:
         """A published region by name, or any region by id and key (from its descriptor): never by id alone."""
@@ -697,3 +703,13 @@ async def _abandon(ch: c.Channel | None, links: list[tr.Link]) -> None:
         link.free()
     if ch is not None:
         await ch.aclose()
+
+
+def _free_all(peers: list[Peer]) -> None:
+    for peer in peers:
+        peer.free()
+
+
+def _release_all(regions: list[Region]) -> None:
+    for region in regions:
+        region.pinned.release()
