@@ -12,6 +12,7 @@ from collections.abc import Callable
 from contextvars import Context, copy_context
 from typing import Any
 
+import anyio
 import sniffio
 
 __all__ = ["Backend", "current_backend"]
@@ -176,8 +177,9 @@ class AsyncioBackend(Backend):
         await waiter
 
     async def run_to_end(self, fn: Callable[..., Any], *args: Any) -> Any:
-        # A shielded anyio scope does not hold off a native Task.cancel(): a shielded future does.
-        future = self.loop.run_in_executor(None, fn, *args)
+        # A shielded anyio scope does not hold off a native Task.cancel(): a task of its own does.
+        # anyio's worker threads, which the *_async calls use too: starting a new thread blocks the loop until it runs.
+        future = self.loop.create_task(anyio.to_thread.run_sync(fn, *args))
         cancelled: asyncio.CancelledError | None = None
         while True:
             try:
