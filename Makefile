@@ -78,6 +78,6 @@ RDMA_PYTEST := PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(abspath $(PY)) -m pytest -q -p
 test-rdma: venv
 	$(SOFTROCE)/setup.sh
 	@# setup.sh installs rdma-core's headers: rebuild if the module was built without them
-	$(PY) -c 'from aiohixl._native import lib; raise SystemExit(0 if lib.hx_verbs_built() else 1)' \
+	$(PY) -c 'from aiohixl._loop.native import lib; raise SystemExit(0 if lib.hx_verbs_built() else 1)' \
 		|| $(PY) -m pip install -q -e .
 	SOFTROCE_CPUS=2 SOFTROCE_VERBOSE=1 $(SOFTROCE)/run.sh '$(RDMA_PYTEST)'

@@ -37,10 +37,12 @@ enum { HX_OP_HOLD = 0x100 };
  * follow; HX_POSTED_HELD: posted, and held until hx_peer_flush. */
 enum { HX_POSTED = 0, HX_DONE_INLINE = 1, HX_POSTED_HELD = 2 };
 
+/* sys_errno: with HX_E_SYS, the errno of the failure, taken on the thread
+ * that saw it (the event loop's errno is another thread's); else 0. */
 typedef struct {
     uint64_t op_id;
     int32_t status;
-    uint32_t reserved;
+    int32_t sys_errno;
 } hx_completion;
 
 /* A notification that arrived: from `source` (the session key of the peer
@@ -81,6 +83,9 @@ int hx_agent_wake_fd(hx_agent *a);
 void hx_agent_set_stall(hx_agent *a, uint64_t ns);
 /* Takes up to max completions; returns how many. Clears the wake fd first. */
 int hx_agent_drain(hx_agent *a, hx_completion *out, int max);
+/* For tests: completes op_id with status from a native thread of its own,
+ * whose errno is err, as a transport thread that saw a system call fail. */
+int hx_test_complete_on_thread(hx_agent *a, uint64_t op_id, int status, int err);
 /* Notifications: take up to max (oldest first); how many are queued; how
  * many could not be held back and were dropped; the queue's capacity (a full
  * queue holds senders back: default 4096). */

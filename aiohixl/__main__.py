@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 def _store(listen: str, token: str | None) -> int:
     import anyio
 
-    from . import _control as c
+    from ._control import handshake as c
     from .errors import InvalidArgument
     from .ranks import StoreServer
 

@@ -6,6 +6,7 @@ import enum
 import operator
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ._construct import NoPublicConstructor
 from ._span import Span, set_fallback
 from .errors import ClosedError, InvalidArgument, OutOfBounds, UnsupportedMemory
 from .memkinds import Pinned
@@ -98,27 +99,37 @@ set_fallback(_slice_by_rule)
 
 
 class RegionOwner(Protocol):
-    """What a region needs of the agent that registered it."""
+    """The registry a region belongs to (the agent's)."""
 
-    id: bytes
-
-    async def close_region(self, region: Region) -> None: ...
+    async def close(self, region: Region) -> None: ...
 
     def describe(self, region: Region) -> bytes: ...
 
 
-class Region(Span):
-    """Memory registered with an agent. Slice it (``region[a:b]``) to name part of it."""
+class Region(Span, metaclass=NoPublicConstructor):
+    """Memory registered with an agent. Slice it (``region[a:b]``) to name part of it.
+
+    Regions come from ``Agent.register()`` and ``Agent.allocate()``; ``agent`` is that agent.
+    """
 
     _what = "Region {}"
+    made_by = "Agent.register() or Agent.allocate()"
     if TYPE_CHECKING:
 
         def __getitem__(self, key: slice) -> RegionSlice: ...
 
     def __init__(
-        self, agent: RegionOwner, region_id: int, pinned: Pinned, access: Access, name: str | None, key: int = 0
+        self,
+        registry: RegionOwner,
+        agent: Any,
+        region_id: int,
+        pinned: Pinned,
+        access: Access,
+        name: str | None,
+        key: int,
     ) -> None:
         super().__init__(None, 0, pinned.nbytes, RegionSlice)  # offset 0, nbytes: slicing's bounds
+        self._registry = registry
         self.agent = agent
         self.id = region_id
         self.key = key  # the secret in its descriptor: peers reach it only with it
@@ -152,7 +163,7 @@ class Region(Span):
     def descriptor(self) -> bytes:
         """A compact, versioned description a peer can turn into a RemoteRegion."""
         self.check_open("Region.descriptor")
-        return self.agent.describe(self)
+        return self._registry.describe(self)
 
     async def close(self) -> None:
         """Deregister. Waits until no op in flight uses the region (local or remote).
@@ -162,7 +173,7 @@ class Region(Span):
         """
         if self.closed:
             return
-        await self.agent.close_region(self)
+        await self._registry.close(self)
 
     def check_open(self, what: str) -> None:
         if self.closed:

@@ -5,8 +5,9 @@ bounded native queue, whatever the event loop is doing. The inbox moves them
 into a bounded queue of its own when the loop runs, and hands them out in
 arrival order, or the first one with given data (``match``). When both
 queues are full the transports hold the senders back (their ops wait) rather
-than drop: only a verbs WRITE WITH IMM, whose data already landed, can be
-dropped, and then it is counted (``dropped``).
+than drop. A message is dropped, and counted (``dropped``), only when the native
+side has no memory to queue it, or when a verbs session ends with messages it
+was holding back.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import Any
 
 import anyio
 
-from ._engine import Engine
-from ._native import ffi, lib
+from ._loop.engine import Engine
+from ._loop.native import ffi, lib
 from .errors import ClosedError, InvalidArgument, NotificationTimeout
 
 __all__ = ["Notification", "Inbox", "MAX_NOTIFICATION", "note_bytes"]

@@ -9,8 +9,9 @@ import anyio.abc
 import pytest
 
 import aiohixl
-from aiohixl import _control as c
-from aiohixl import _wire as w
+from aiohixl._control import handshake as c
+from aiohixl._control import wire as w
+from aiohixl._control.session import Session
 
 TOKEN = b"in-process-token"
 
@@ -137,7 +138,7 @@ async def test_a_session_dispatches_frames_and_ends_on_what_it_cannot_take(last,
         r.end()  # a LOOKUP with a body is malformed here
 
     handlers = {w.WITHDRAWN: on_withdrawn, w.LOOKUP: on_lookup}
-    session = c.Session(here, 60.0, handlers, ended.append, "test session", lambda: None)
+    session = Session(here, 60.0, handlers, ended.append, "test session", lambda: None)
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             tg.start_soon(session.run)
@@ -154,7 +155,7 @@ async def test_a_session_dispatches_frames_and_ends_on_what_it_cannot_take(last,
 async def test_a_session_whose_peer_goes_away_ends_as_connection_lost():
     here, there = await channels()
     ended: list[aiohixl.HixlError] = []
-    session = c.Session(here, 60.0, {}, ended.append, "test session", lambda: None)
+    session = Session(here, 60.0, {}, ended.append, "test session", lambda: None)
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             tg.start_soon(session.run)
@@ -167,7 +168,7 @@ async def test_a_session_whose_peer_goes_away_ends_as_connection_lost():
 async def test_a_session_ends_when_its_silence_check_says_so():
     here, there = await channels()
     ended: list[aiohixl.HixlError] = []
-    session = c.Session(here, 0.01, {}, ended.append, "test session", lambda: "no heartbeat for 3 s")
+    session = Session(here, 0.01, {}, ended.append, "test session", lambda: "no heartbeat for 3 s")
     with anyio.fail_after(10):
         await session.run()
     assert isinstance(ended[0], aiohixl.ConnectionLost) and "no heartbeat for 3 s" in str(ended[0])

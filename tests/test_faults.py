@@ -13,7 +13,7 @@ import pytest
 
 import aiohixl
 from aiohixl import Access
-from aiohixl._native import lib
+from aiohixl._loop.native import lib
 
 from .conftest import random_bytes
 from .harness import TOKEN, Target

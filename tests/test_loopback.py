@@ -14,6 +14,7 @@ import pytest
 
 import aiohixl
 from aiohixl import Access
+from aiohixl import _testing as hooks
 from aiohixl.remote import RemoteRegion
 
 from .conftest import random_bytes
@@ -76,13 +77,13 @@ async def test_zero_length_is_a_no_op(agent):
     )
     peer = agent.loopback()
     x = await peer.region("x")
-    before = agent.engine.completed
+    before = hooks.engine(agent).completed
     await peer.put(x[5:5], src[0:0])
     await peer.get(src[3:3], x[10:10])
     await peer.put_many([])
     await peer.get_many([(src[0:0], x[0:0])])
     assert bytes(dst.memory) == b"d" * 10 and bytes(src.memory) == b"s" * 10
-    assert agent.engine.completed == before and agent.outstanding == 0  # nothing was posted
+    assert hooks.engine(agent).completed == before and agent.outstanding == 0  # nothing was posted
     with pytest.raises(aiohixl.OutOfBounds):
         x[11:11]  # an empty slice past the end is still out of bounds
 
@@ -218,15 +219,15 @@ async def test_ten_thousand_concurrent_ops(agent):
     dst = await peer.region("dst")
     bigdst = await peer.region("bigdst")
     # mix inline ops with ops on the copy pool so both completion paths are counted
-    before = agent.engine.completed  # (under asyncio a put is posted at the call)
+    before = hooks.engine(agent).completed  # (under asyncio a put is posted at the call)
     ops = [peer.put(dst[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(n)]
     ops += [peer.put(bigdst[i << 20 : (i + 1) << 20], big_src) for i in range(100)]
     results = await asyncio.gather(*ops)
     assert results == [None] * len(ops)
     assert np.array_equal(dst_arr, src_arr)
     assert agent.outstanding == 0
-    assert agent.engine.completed - before == len(ops)  # each op accounted for once
-    assert agent.engine.unknown_completions == 0  # and none completed twice
+    assert hooks.engine(agent).completed - before == len(ops)  # each op accounted for once
+    assert hooks.engine(agent).unknown_completions == 0  # and none completed twice
 
 
 async def test_max_inflight_waits_for_room():
@@ -346,9 +347,9 @@ async def test_calls_that_change_the_agent_are_refused_from_another_thread(agent
                 refused[name] = name in str(exc)
         return refused
 
-    before = len(list(agent.live_regions()))
+    before = len(hooks.live_regions(agent))
     assert await asyncio.to_thread(elsewhere) == dict.fromkeys(calls, True)
-    assert len(list(agent.live_regions())) == before and not agent.closed and not region.closed
+    assert len(hooks.live_regions(agent)) == before and not agent.closed and not region.closed
     stats, outstanding, view = await asyncio.to_thread(lambda: (agent.stats(), agent.outstanding, region.memory))
     assert stats["outstanding"] == outstanding == 0 and len(view) == 4096
 
@@ -409,8 +410,43 @@ async def test_closing_a_region_waits_for_its_ops_in_flight():
         remote = await peer.region("dst")
         put = asyncio.ensure_future(peer.put(remote, src))
         await asyncio.sleep(0)  # posted
-        assert agent.engine.oldest_op(lambda op: src in op[1]) is not None
+        assert hooks.in_flight_on(agent, src)
         await src.close()
         assert put.done() and put.exception() is None
-        assert agent.engine.oldest_op(lambda op: src in op[1]) is None
+        assert not hooks.in_flight_on(agent, src)
         assert np.all(np.frombuffer(dst.memory, dtype=np.uint8) == 7)
+
+
+async def test_peers_and_regions_come_from_the_agent_never_from_their_constructors(agent):
+    with pytest.raises(TypeError, match=r"aiohixl\.Peer objects are not made directly: Agent\.connect\(\)"):
+        aiohixl.Peer(agent, [], b"", "x")
+    with pytest.raises(TypeError, match=r"aiohixl\.Region objects are not made directly: Agent\.register\(\)"):
+        aiohixl.Region(None, agent, 1, None, aiohixl.Access.NONE, None, 0)
+    region = agent.allocate(64)
+    assert type(region) is aiohixl.Region and type(agent.loopback()) is aiohixl.Peer
+
+
+async def test_the_agent_and_the_peer_show_users_their_api_only(agent):
+    """What transports, the listener and the engine use of them lives on internal objects."""
+    internal = {
+        agent: "close_region describe live_region live_regions published_remote forget_peer heartbeat"
+        " notes_room check_open engine",
+        agent.loopback(): "start_session end_session close_links release_links free op_failed region_info send label",
+    }
+    for obj, names in internal.items():
+        shown = {n for n in dir(obj) if not n.startswith("_")}
+        assert shown.isdisjoint(names.split()), (obj, shown & set(names.split()))
+
+
+async def test_an_op_on_a_closed_agent_is_refused_at_the_call():
+    agent = aiohixl.Agent(transports=("loopback",))
+    await agent.start()
+    src = agent.allocate(64)
+    dst = agent.allocate(64, name="dst")
+    peer = agent.loopback()
+    remote = await peer.region("dst")
+    await peer.put(remote[0:64], src[0:64])
+    await agent.aclose()
+    with pytest.raises(aiohixl.ClosedError, match=r"^Peer\.put: "):
+        peer.put(remote[0:64], src[0:64])  # not awaited: raised by the call itself
+    assert dst.closed

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import aiohixl
 from aiohixl import Access
+from aiohixl import _testing as hooks
 from aiohixl.descriptor import decode
 
 
@@ -249,7 +250,14 @@ async def test_duplicate_name_refused(agent):
 async def test_bad_arguments_are_refused_clearly(agent, call, error, text):
     with pytest.raises(error, match=text):
         call(agent)
-    assert not agent.live_regions()  # nothing half-registered
+    assert not hooks.live_regions(agent)  # nothing half-registered
+
+
+async def test_register_async_errors_name_register_async(agent):
+    with pytest.raises(aiohixl.InvalidArgument, match=r"^Agent\.register_async: access=0x8 has bits outside"):
+        await agent.register_async(bytearray(8), access=8)
+    with pytest.raises(aiohixl.InvalidArgument, match=r"^Agent\.register_async: bytes is read-only"):
+        await agent.register_async(b"abc", access=aiohixl.Access.REMOTE_WRITE)
 
 
 async def test_access_words_work_as_the_ranks_api_takes_them(agent):

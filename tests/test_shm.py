@@ -11,6 +11,7 @@ import pytest
 import pytest_asyncio
 
 import aiohixl
+from aiohixl import _testing as hooks
 
 from .harness import TOKEN, Target, pattern, sha
 
@@ -160,7 +161,7 @@ async def test_closed_peers_release_their_native_resources(transports):
                 results = await asyncio.gather(*pending, return_exceptions=True)
                 assert all(r is None or isinstance(r, aiohixl.ClosedError) for r in results), results
             assert agent.outstanding == 0
-            assert not agent._peers, "closed peers are freed once their ops are back"
+            assert not hooks.tracked_peers(agent), "closed peers are freed once their ops are back"
             last = await agent.connect(target.address, transports=transports)
             await last.put(await last.region("kv"), src)
         assert await target.hash("kv", 0, 8 << 20) == sha(pattern(8 << 20, 4))

@@ -17,8 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aiohixl
-from aiohixl import _control as c
-from aiohixl import _wire as w
+from aiohixl import _testing as hooks
+from aiohixl._control import handshake as c
+from aiohixl._control import wire as w
+from aiohixl._control.listener import Served
+from aiohixl._control.session import Session
+from aiohixl._loop.native import lib
 
 from .harness import TOKEN, Target, pattern, sha, tcp_queues
 from .waiting import wait_until, wait_until_sync
@@ -131,18 +135,18 @@ async def test_a_held_burst_goes_out_when_its_first_op_gets_a_waiter(pair):
     """gather() attaching its callback to the burst's first put sends the burst then, not a
     loop iteration later; a burst nobody waits on yet goes out with the loop's next turn."""
     peer, kv, src, src_arr, target = pair["peer"], pair["kv"], pair["src"], pair["src_arr"], pair["target"]
-    engine = pair["agent"].engine
+    agent = pair["agent"]
     size, count = 64 << 10, 8
     for _ in range(2):  # the first burst of a run is not held whole: its first put goes alone
         held = [peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count)]
-        assert engine._held  # held for a flush
+        assert hooks.held_ops(agent)  # held for a flush
         gathered = asyncio.gather(*held)
-        assert not engine._held  # flushed by gather itself, before the loop turned
+        assert not hooks.held_ops(agent)  # flushed by gather itself, before the loop turned
         await gathered
     held = [peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count)]
-    assert engine._held
+    assert hooks.held_ops(agent)
     await asyncio.sleep(0)  # no waiter yet: the loop's turn flushes them
-    assert not engine._held
+    assert not hooks.held_ops(agent)
     await asyncio.gather(*held)
     assert await target.hash("kv", 0, size * count) == sha(src_arr[: size * count])
 
@@ -152,7 +156,7 @@ async def test_a_waiter_per_op_as_posted_does_not_split_the_burst(pair):
     """A callback attached to each put as it is posted (eager tasks do this) leaves the burst
     whole for the loop's turn; the finished burst's first future flushes nothing later on."""
     peer, kv, src, src_arr, target = pair["peer"], pair["kv"], pair["src"], pair["src_arr"], pair["target"]
-    engine = pair["agent"].engine
+    agent = pair["agent"]
     size, count = 64 << 10, 8
     await asyncio.gather(*(peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(2)))
     ended: list[int] = []
@@ -161,13 +165,13 @@ async def test_a_waiter_per_op_as_posted_does_not_split_the_burst(pair):
         fut = peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size])
         fut.add_done_callback(lambda f, i=i: ended.append(i))
         first.append(fut)
-    assert len(engine._held) == count  # all held: one burst
+    assert hooks.held_ops(agent) == count  # all held: one burst
     await asyncio.sleep(0)  # the loop's turn sends it
-    assert not engine._held
+    assert not hooks.held_ops(agent)
     await asyncio.gather(*first)
     held = [peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count)]
     first[0].add_done_callback(lambda f: None)  # the old burst's first future: not this burst's
-    assert len(engine._held) == count
+    assert hooks.held_ops(agent) == count
     await asyncio.gather(*held)
     assert sorted(ended) == list(range(count))
     assert await target.hash("kv", 0, size * count) == sha(src_arr[: size * count])
@@ -179,7 +183,7 @@ async def test_held_puts_go_out_while_the_event_loop_is_blocked(pair):
     synchronous forward pass) does not keep them back: the I/O thread sends them."""
     peer, kv, src, src_arr, target = pair["peer"], pair["kv"], pair["src"], pair["src_arr"], pair["target"]
     size, count = 64 << 10, 8
-    engine = pair["agent"].engine
+    engine = hooks.engine(pair["agent"])
     # A burst flushed as usual leaves the hold timer set (a flush does not disarm it): it fires
     # while the puts below are held for less than their limit and must set itself again.
     await asyncio.gather(
@@ -331,9 +335,9 @@ async def test_fuzzed_frames_on_an_authenticated_data_connection(victim, data):
     # native data frames belong: only that connection may close.
     async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
         ch = c.Channel(await anyio.connect_tcp("127.0.0.1", victim.port))
-        info = await c.client_handshake(ch, TOKEN.encode(), w.ROLE_CONTROL, bytes(16), agent._identity(), "fuzz")
+        info = await c.client_handshake(ch, TOKEN.encode(), w.ROLE_CONTROL, bytes(16), hooks.identity(agent), "fuzz")
         data_ch = c.Channel(await anyio.connect_tcp("127.0.0.1", victim.port))
-        await c.client_handshake(data_ch, TOKEN.encode(), w.ROLE_DATA, info.session, agent._identity(), "fuzz")
+        await c.client_handshake(data_ch, TOKEN.encode(), w.ROLE_DATA, info.session, hooks.identity(agent), "fuzz")
         await data_ch.stream.send(data)
         with anyio.move_on_after(0.05):
             try:
@@ -409,10 +413,12 @@ async def test_a_put_stalled_mid_payload_cannot_hold_a_region_forever():
         async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
             # A real client's handshake, then half a PUT frame and silence.
             ch = c.Channel(await anyio.connect_tcp("127.0.0.1", target.port))
-            info = await c.client_handshake(ch, TOKEN.encode(), w.ROLE_CONTROL, bytes(16), agent._identity(), "stall")
+            info = await c.client_handshake(
+                ch, TOKEN.encode(), w.ROLE_CONTROL, bytes(16), hooks.identity(agent), "stall"
+            )
             kv = [aiohixl.RemoteRegion(__import__("aiohixl").descriptor.decode(d)) for d in info.regions][0]
             data_ch = c.Channel(await anyio.connect_tcp("127.0.0.1", target.port))
-            await c.client_handshake(data_ch, TOKEN.encode(), w.ROLE_DATA, info.session, agent._identity(), "stall")
+            await c.client_handshake(data_ch, TOKEN.encode(), w.ROLE_DATA, info.session, hooks.identity(agent), "stall")
             header = struct.pack("<IB3xI4xQQQ", 0x50445848, 1, kv.id, 0, 1 << 20, 1)
             await data_ch.stream.send(header + bytes(1000))
             sock = data_ch.stream.extra(anyio.abc.SocketAttribute.raw_socket)
@@ -432,14 +438,14 @@ async def test_peer_that_never_reads_its_answers_is_cut_off_and_close_returns():
         "t", listen="127.0.0.1:0", token=TOKEN, transports=TCP, stall_timeout=stall, heartbeat_timeout=600
     ) as target:
         region = target.allocate(8 << 20, name="kv")
-        info = region.agent._info(region)
+        info = hooks.region_info(region)
         port = int(target.address.rpartition(":")[2])
         # Another host: the target waits for no withdrawal acknowledgement, only the data path can hold it.
         me = c.Identity(os.urandom(16), "hoarder", c.HostIdentity("elsewhere/1", "boot-1", "ns"), ["tcp"])
         ctl = c.Channel(await anyio.connect_tcp("127.0.0.1", port))
         served = await c.client_handshake(ctl, TOKEN.encode(), w.ROLE_CONTROL, bytes(16), me, "hoarder")
         handlers = {w.WITHDRAWN: lambda r: None}
-        session = c.Session(ctl, 0.2, handlers, lambda reason: None, "hoarder", lambda: None)
+        session = Session(ctl, 0.2, handlers, lambda reason: None, "hoarder", lambda: None)
         async with anyio.create_task_group() as tg:
             tg.start_soon(session.run)
             data = c.Channel(await anyio.connect_tcp("127.0.0.1", port))
@@ -517,9 +523,9 @@ async def test_memfd_socket_checks_credentials_and_drops_idle_connections(monkey
 
     monkeypatch.setattr(shm, "HANDSHAKE_TIMEOUT", 0.5)
     async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN) as target:
-        shm_transport = target._transports["shm"]
+        shm_transport = hooks.transport(target, "shm")
         # the listener starts its side servers in the background
-        name = await wait_until(lambda: shm_transport._socket_name, what="the memfd socket listening")
+        name = await wait_until(lambda: shm_transport.socket_name, what="the memfd socket listening")
         idle = [await anyio.connect_unix(name) for _ in range(shm.MAX_PER_PID + 2)]
         try:
             # more than MAX_PER_PID from one process: closed at once; the rest once the timeout passes
@@ -640,3 +646,29 @@ async def test_without_the_latency_mode_no_op_ends_inline():
                 await fut
     finally:
         await target.aclose()
+
+
+async def test_a_data_connection_the_native_side_could_not_take_is_not_reported_taken():
+    """take_data_connection says False when hx_tcp_serve_fd fails (here: the agent's native side has stopped)."""
+    async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, transports=TCP) as agent:
+        tcp = hooks.transport(agent, "tcp")
+        await agent.connect(agent.address)  # the native I/O thread runs
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        accepted = anyio.Event()
+        results: list[bool] = []
+        lib.hx_agent_shutdown(hooks.engine(agent).native)  # no I/O thread takes connections now
+
+        async def serve(stream) -> None:
+            results.append(await tcp.take_data_connection(c.Channel(stream), Served(os.urandom(16), None)))
+            accepted.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, serve)
+            client = await anyio.connect_tcp("127.0.0.1", port)
+            with anyio.fail_after(10):
+                await accepted.wait()
+            tg.cancel_scope.cancel()
+        await client.aclose()
+        await listener.aclose()
+        assert results == [False]

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiohixl import ProtocolError
-from aiohixl import _wire as w
+from aiohixl._control import wire as w
 
 FIELDS = st.lists(
     st.one_of(

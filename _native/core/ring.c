@@ -1,6 +1,7 @@
 /* The completion ring and its wake fd: every transport's completions reach
  * Python through here (notifications wake it through the same fd). */
 #include "internal.h"
+#include <errno.h>
 #include <unistd.h>
 
 static void wake_unlocked(hx_agent *a, bool wake)
@@ -24,13 +25,14 @@ void hx_wake(hx_agent *a)
 
 void hx_complete(hx_agent *a, uint64_t op_id, int status)
 {
+    int err = status == HX_E_SYS ? errno : 0; /* before anything here can change it */
     pthread_mutex_lock(&a->ring_lock);
     /* Never drop a completion: the Python side admits at most ring_cap ops,
      * so this wait is a safety net, not a path. */
     while (a->ring_count == a->ring_cap)
         pthread_cond_wait(&a->ring_space, &a->ring_lock);
     uint32_t tail = (a->ring_head + a->ring_count) % a->ring_cap;
-    a->ring[tail] = (hx_completion){.op_id = op_id, .status = status};
+    a->ring[tail] = (hx_completion){.op_id = op_id, .status = status, .sys_errno = err};
     a->ring_count++;
     bool wake = !a->signaled;
     a->signaled = true;
@@ -64,3 +66,27 @@ int hx_agent_drain(hx_agent *a, hx_completion *out, int max)
 }
 
 int hx_agent_wake_fd(hx_agent *a) { return a->wake_fd; }
+
+struct test_completion {
+    hx_agent *a;
+    uint64_t op_id;
+    int status, err;
+};
+
+static void *test_complete_main(void *arg)
+{
+    struct test_completion *c = arg;
+    errno = c->err;
+    hx_complete(c->a, c->op_id, c->status);
+    return NULL;
+}
+
+int hx_test_complete_on_thread(hx_agent *a, uint64_t op_id, int status, int err)
+{
+    struct test_completion c = {a, op_id, status, err};
+    pthread_t t;
+    if (pthread_create(&t, NULL, test_complete_main, &c))
+        return HX_E_SYS;
+    pthread_join(t, NULL);
+    return HX_OK;
+}

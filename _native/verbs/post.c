@@ -4,6 +4,7 @@
 
 #ifdef HX_HAVE_VERBS
 #include <arpa/inet.h>
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -50,8 +51,10 @@ int vb_post_chain(vqp *q, vop *op)
     }
     struct ibv_send_wr *bad;
     int rc = ibv_post_send(q->qp, op->wrs, &bad);
-    if (rc)
+    if (rc) {
+        errno = rc; /* it returns the error instead of setting errno; HX_E_SYS's errno tells */
         return rc;
+    }
     if (slot >= 0) {
         q->note_free &= ~(1ull << slot);
         op->note_slot = slot;

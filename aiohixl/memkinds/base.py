@@ -6,7 +6,7 @@ import mmap
 import os
 from typing import Any
 
-from .._native import ffi
+from .._loop.native import ffi
 
 
 class Pinned:

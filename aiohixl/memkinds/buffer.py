@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._native import ffi
+from .._loop.native import ffi
 from ..errors import UnsupportedMemory
 from .base import Pinned, address_of
 

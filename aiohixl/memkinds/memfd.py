@@ -6,7 +6,7 @@ import fcntl
 import mmap
 import os
 
-from .._native import ffi
+from .._loop.native import ffi
 from .base import Pinned, address_of
 
 

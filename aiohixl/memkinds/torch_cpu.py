@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from .._native import ffi
+from .._loop.native import ffi
 from ..errors import UnsupportedMemory
 from .base import Pinned
 

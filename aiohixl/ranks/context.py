@@ -19,7 +19,7 @@ from typing import Any, Union
 
 import anyio
 
-from .. import _control as c
+from .._control import handshake as c
 from ..agent import Agent
 from ..errors import (
     ClosedError,

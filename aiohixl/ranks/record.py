@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from urllib.parse import parse_qs, urlsplit
 
-from .. import _wire as w
+from .._control import wire as w
 from ..errors import InvalidArgument, ProtocolError
 
 __all__ = ["RankRecord", "StoreURL", "parse_store_url", "MAX_REGIONS", "MAX_DESCRIPTOR"]

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import anyio
 
-from .._backends import Backend, current_backend
+from .._loop.backends import Backend, current_backend
 from ..errors import HixlError, InvalidArgument, RankConflict, RendezvousTimeout, StoreLost, UnknownRank
 from .record import RankRecord, StoreURL
 

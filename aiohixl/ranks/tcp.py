@@ -19,8 +19,8 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from .. import _control as c
-from .. import _wire as w
+from .._control import handshake as c
+from .._control import wire as w
 from ..errors import AuthenticationError, ConnectionLost, ConnectTimeout, HixlError, ProtocolError
 from .record import RankRecord, StoreURL
 from .store import Store, barrier_complete
@@ -106,7 +106,7 @@ class StoreServer:
 
     async def start(self) -> None:
         """Bind (OSError if the port is taken) and serve in the background until aclose()."""
-        from .._backends import current_backend
+        from .._loop.backends import current_backend
 
         await self._bind()
         self._backend = current_backend()

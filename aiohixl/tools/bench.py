@@ -923,8 +923,8 @@ async def bench(args: argparse.Namespace) -> Results:
         passes.append(measure_baselines(False))  # the second pass: see baselines.combine
         if args.peers:
             run_peers(plan, results, progress)
-        # Last: populating and freeing GiBs keeps the kernel busy for a while after (a 4 KiB
-        # put took 2.9 instead of 1.6 us for ~0.2 s here), which would tell on what follows.
+        # Last: populating and freeing GiBs keeps the kernel busy for a while after (small
+        # ops run slower meanwhile), which would tell on what follows.
         results.registration = await registration(plan.reg_sizes, progress)
     finally:
         if target:

@@ -51,7 +51,7 @@ def _shm_status() -> TransportStatus:
 
 
 def _verbs_status() -> TransportStatus:
-    from .._native import lib as native
+    from .._loop.native import lib as native
 
     if not native.hx_verbs_built():
         return TransportStatus("verbs", False, "built without rdma-core headers (install libibverbs-dev, reinstall)")

@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from .._control import Channel, HostIdentity, Identity, PeerInfo
-from .._engine import Engine, OpOwner
-from .._native import ffi, lib
+from .._control.handshake import Channel, HostIdentity, Identity, PeerInfo
+from .._loop.engine import Engine, OpOwner
+from .._loop.native import ffi, lib
 from ..descriptor import RegionInfo
 from ..memory import Region, RegionSlice
 from ..remote import RemoteSlice

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .._control import PeerInfo
-from .._native import check, ffi, lib
+from .._control.handshake import PeerInfo
+from .._loop.native import check, ffi, lib
 from .base import Link, Transport
 
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import anyio
 
-from .. import _control as c
-from .._backends import current_backend
-from .._control import Identity, PeerInfo
-from .._native import ffi, lib
+from .._control import handshake as c
+from .._control.handshake import Identity, PeerInfo
+from .._loop.backends import current_backend
+from .._loop.native import ffi, lib
 from ..descriptor import RegionInfo
 from ..errors import HixlError
 from ..memory import Access
@@ -121,13 +121,13 @@ class ShmTransport(Transport):
         # 16 bytes a same-host peer reads with process_vm_readv to learn
         # whether cross-memory attach to this process is permitted.
         self._probe = ffi.new("uint8_t[16]", agent.id)
-        self._socket_name = ""
+        self.socket_name = ""
         self._unix: Any = None
         self._per_pid: dict[int, int] = {}
 
     def advertise(self, me: Identity) -> None:
         me.probe = int(ffi.cast("uintptr_t", self._probe))
-        me.shm_socket = self._socket_name
+        me.shm_socket = self.socket_name
 
     def usable_with(self, info: PeerInfo) -> bool:
         return super().usable_with(info) and self.agent.host_identity.same_host(info.host)
@@ -144,7 +144,7 @@ class ShmTransport(Transport):
         except OSError as exc:
             c.log.warning("aiohixl %s: no memfd sharing (unix socket: %s)", listener.address, exc)
             return
-        self._socket_name = name
+        self.socket_name = name
         start_soon(
             c.accept_forever,
             self._unix,

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _control as c
-from .. import _wire as w
-from .._native import check, ffi, lib
+from .._control import handshake as c
+from .._control import wire as w
+from .._loop.native import check, ffi, lib
 from ..errors import InvalidArgument
 from .base import AgentView, Dial, Link, SessionView, Transport
 
@@ -53,8 +53,9 @@ class TcpTransport(Transport):
         rc = lib.hx_tcp_serve_fd(
             self.agent.engine.native, fd, session_key(session.sid), w.DATA_OK_FRAME, len(w.DATA_OK_FRAME)
         )
-        if rc < 0:
+        if rc < 0:  # the native side closed the socket it was given
             c.log.warning("aiohixl %s: could not serve a data connection (status %d)", self.agent.name, rc)
+            return False
         return True
 
     def session_alive(self, session: SessionView) -> int:

@@ -17,10 +17,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _control as c
-from .. import _wire as w
+from .._control import handshake as c
+from .._control import wire as w
 from .._files import read_text
-from .._native import ffi, lib
+from .._loop.native import ffi, lib
 from ..descriptor import RegionInfo
 from ..errors import InvalidArgument, ProtocolError
 from ..memory import Region
@@ -158,9 +158,6 @@ class VerbsTransport(Transport):
 
     def region_removed(self, region: Region) -> None:
         self._rkeys.pop(region.id, None)
-
-    def rkey(self, region: Region) -> int | None:
-        return self._rkeys.get(region.id)
 
     def descriptor_keys(self, region: Region) -> dict[int, bytes]:
         rkey = self._rkeys.get(region.id)

@@ -15,6 +15,7 @@ import pytest_asyncio
 
 import aiohixl
 from aiohixl import Access
+from aiohixl import _testing as hooks
 from aiohixl.remote import RemoteRegion
 from aiohixl.transports import verbs as _rdma
 
@@ -99,14 +100,16 @@ async def test_reconnecting_frees_queue_pairs(pair):
         await peer.put(kv[i * 4096 : (i + 1) * 4096], src[:4096], imm=i)
         await pair["target"].cmd(op="notify", timeout=120)
         await peer.aclose()
-        assert peer not in a._peers
+        assert not hooks.peer_tracked(a, peer)
     assert await pair["target"].hash("kv", 3 * 4096, 4096) == sha(pair["src_arr"][:4096])
 
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_notifications_are_sends_on_the_queue_pair_behind_the_data(pair):
     peer, kv, src, src_arr, target = pair["peer"], pair["kv"], pair["src"], pair["src_arr"], pair["target"]
-    assert peer._notes is peer.links[0] and peer._notes.name == "verbs"  # not the tcp channel
+    assert (
+        hooks.notes_link(peer) is hooks.links(peer)[0] and hooks.notes_link(peer).name == "verbs"
+    )  # not the tcp channel
     sent = pair["agent"].stats()["transports"]["verbs"]["ops"]
     for i, n in enumerate((1, 4096, 3 << 20)):
         off = i * 4096

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from . import errors
-from ._hixl import ffi, lib
+from .. import errors
+from .._hixl import ffi, lib
 
 __all__ = ["ffi", "lib", "check", "status_error"]
 
@@ -28,12 +28,16 @@ _STATUS = {
 }
 
 
-def status_error(status: int, what: str) -> BaseException:
-    """The exception for a native status, its message naming the call ``what``."""
+def status_error(status: int, what: str, sys_errno: int | None = None) -> BaseException:
+    """The exception for a native status, its message naming the call ``what``.
+
+    An ``HX_E_SYS`` carries the errno of the failure: ``sys_errno`` for a completion (taken
+    on the native thread that saw it fail), else the errno of the call just made.
+    """
     cls, text = _STATUS.get(status, (errors.TransferError, f"native status {status}"))
     if cls is OSError:
-        err = ffi.errno
-        return OSError(err, f"{what}: {os.strerror(err)}")
+        err = ffi.errno if sys_errno is None else sys_errno
+        return OSError(err, f"{what}: {os.strerror(err)}") if err else OSError(f"{what}: {text}")
     return cls(f"{what}: {text}")
 
 

@@ -16,11 +16,11 @@ from typing import Any, Protocol
 
 import anyio
 
-from ._backends import Backend, HeldOpFuture, current_backend
-from ._native import check, ffi, lib, status_error
-from .errors import ClosedError, HixlError, TransferTimeout, WrongEventLoop
-from .memory import Region, RegionSlice
-from .remote import RemoteSlice
+from ..errors import ClosedError, HixlError, TransferTimeout, WrongEventLoop
+from ..memory import Region, RegionSlice
+from ..remote import RemoteSlice
+from .backends import Backend, HeldOpFuture, current_backend
+from .native import check, ffi, lib, status_error
 
 _post1 = lib.hx_peer_post1  # one lookup, not one per op
 _flush = lib.hx_peer_flush
@@ -64,11 +64,11 @@ class Engine:
         self._next_id = 1
         self._batch = ffi.new("hx_completion[]", _DRAIN_BATCH)
         # The batch read as plain integers: indexing a memoryview is cheaper than a cdata
-        # struct per completion. hx_completion is {uint64 op_id; int32 status; uint32 reserved}.
+        # struct per completion. hx_completion is {uint64 op_id; int32 status; int32 sys_errno}.
         assert ffi.sizeof("hx_completion") == 16
         raw = memoryview(ffi.buffer(self._batch)).cast("B")
         self._batch_ids = raw.cast("Q")  # op_id of completion i at [2 * i]
-        self._batch_status = raw.cast("i")  # status of completion i at [4 * i + 2]
+        self._batch_status = raw.cast("i")  # status of completion i at [4 * i + 2], its sys_errno at [4 * i + 3]
         self._slot_waiters: list[Any] = []
         self.completed = 0  # ops whose completion arrived, awaited or not
         self.unknown_completions = 0  # completions of no outstanding op: a bug if ever > 0
@@ -82,6 +82,11 @@ class Engine:
     @property
     def outstanding(self) -> int:
         return len(self._ops)
+
+    @property
+    def held(self) -> int:
+        """Ops the transports hold for the burst's flush (under asyncio)."""
+        return len(self._held)
 
     @property
     def last_posted(self) -> int:
@@ -120,6 +125,11 @@ class Engine:
             else:
                 wait[0] = found
                 self._waits.append(wait)
+
+    def closing(self) -> None:
+        """The agent closes: nothing is posted at the call any more (Peer's checked path says why)."""
+        self.loop = None
+        self._hold = 0
 
     @property
     def full(self) -> bool:
@@ -243,8 +253,8 @@ class Engine:
                 flushed.add(handle)
                 _flush(handle)
         if flushed:
-            # tcp's flush reads the burst's answers for a while (a few microseconds on
-            # loopback): take what it put in the ring now, not a loop iteration later.
+            # tcp's flush reads the burst's answers for a while: take what it put in the
+            # ring now, not a loop iteration later.
             self.drain()
 
     BUSY = object()  # post_with(busy_ok=True): the receiver has no room yet
@@ -253,7 +263,7 @@ class Engine:
         self, submit: Any, keep: tuple[Region, ...], what: str, owner: OpOwner | None = None, busy_ok: bool = False
     ) -> Any:
         """Like post(), through a transport's own native call ``submit(op_id) -> status``."""
-        op_id = self._next_id
+        op_id = self.last_op_id = self._next_id
         self._next_id += 1
         rc = submit(op_id)
         if busy_ok and rc == lib.HX_E_BUSY:
@@ -321,7 +331,7 @@ class Engine:
                 if status == 0:
                     resolve(op[0], None)
                     continue
-                exc = status_error(status, op[2])
+                exc = status_error(status, op[2], statuses[4 * i + 3])
                 if op[3] is not None:
                     op[3].op_failed(exc)
                 resolve(op[0], exc)

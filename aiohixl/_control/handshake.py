@@ -30,9 +30,9 @@ from typing import Any
 import anyio
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from . import _wire as w
-from ._files import read_text
-from .errors import AuthenticationError, ConnectFailed, ConnectionLost, HixlError, InvalidArgument, ProtocolError
+from .._files import read_text
+from ..errors import AuthenticationError, ConnectFailed, InvalidArgument, ProtocolError
+from . import wire as w
 
 log = logging.getLogger("aiohixl")
 
@@ -371,102 +371,3 @@ def welcome_frame(me: Identity, session: bytes, regions: list[bytes]) -> bytes:
     for desc in kept:
         wr.blob(desc)
     return wr.frame(w.WELCOME)
-
-
-# ---------- the session after the handshake ----------
-
-
-class Session:
-    """One control connection after its handshake, on either side.
-
-    ``handlers`` maps frame types to callables taking a Reader (they may be
-    coroutines). ``on_end`` runs once, with the reason, when the session ends.
-
-    Liveness is not judged here: the peer's native channel carries heartbeats
-    that its native thread answers, so a peer whose event loop is blocked
-    stays connected. Every ``interval`` seconds ``silent()`` is asked; a
-    reason it gives ends the session.
-    """
-
-    def __init__(
-        self,
-        ch: Channel,
-        interval: float,
-        handlers: dict[int, Callable[..., Any]],
-        on_end: Callable[[HixlError], None],
-        label: str,
-        silent: Callable[[], str | None],
-    ) -> None:
-        self.ch = ch
-        self.interval = interval
-        self.handlers = handlers
-        self.on_end = on_end
-        self.label = label
-        self.silent = silent
-        self.scope: anyio.CancelScope | None = None
-        self.ended: HixlError | None = None
-        self._reason: HixlError | None = None
-
-    async def run(self) -> None:
-        reason: HixlError = ConnectionLost(f"{self.label}: control connection closed")
-        try:
-            with anyio.CancelScope() as self.scope:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._watch)
-                    reason = await self._reader()
-                    tg.cancel_scope.cancel()
-        except BaseException as exc:
-            if isinstance(exc, HixlError):
-                reason = exc
-            elif not isinstance(exc, (Exception, anyio.get_cancelled_exc_class())):
-                raise
-        finally:
-            if self._reason is not None:
-                reason = self._reason
-            if self.ended is None:
-                self.ended = reason
-                self.on_end(reason)
-            await self.ch.aclose()
-
-    async def _reader(self) -> HixlError:
-        while True:
-            try:
-                ftype, r = await self.ch.recv(w.MAX_FRAME)
-            except STREAM_ERRORS:
-                return ConnectionLost(f"{self.label}: control connection lost")
-            except ProtocolError as exc:
-                return ProtocolError(f"{self.label}: {exc}")
-            if ftype == w.BYE:
-                return ConnectionLost(f"{self.label}: the peer closed the connection")
-            if ftype == w.PING:
-                r.end()
-                continue
-            handler = self.handlers.get(ftype)
-            if handler is None:
-                return ProtocolError(f"{self.label}: unexpected {w.NAMES[ftype]} frame")
-            try:
-                result = handler(r)
-                if result is not None:
-                    await result
-            except ProtocolError as exc:
-                return ProtocolError(f"{self.label}: {exc}")
-
-    async def _watch(self) -> None:
-        while True:
-            await anyio.sleep(self.interval)
-            why = self.silent()
-            if why is not None:
-                self._reason = ConnectionLost(f"{self.label}: {why}")
-                if self.scope is not None:
-                    self.scope.cancel()
-                return
-
-    async def send(self, frame: bytes) -> None:
-        try:
-            await self.ch.send(frame)
-        except STREAM_ERRORS:
-            raise ConnectionLost(f"{self.label}: control connection lost") from None
-
-    def cancel(self) -> None:
-        if self.scope is not None:
-            self.scope.cancel()

@@ -12,7 +12,7 @@ import builtins
 import struct
 from typing import Any
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 MAGIC = b"HXCP"
 VERSION_MIN = 2

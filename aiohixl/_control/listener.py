@@ -17,10 +17,11 @@ from typing import Any
 
 import anyio
 
-from . import _control as c
-from . import _wire as w
-from .errors import HixlError
-from .transports.base import Transport
+from ..errors import HixlError
+from ..transports.base import Transport
+from . import handshake as c
+from . import wire as w
+from .session import Session
 
 HANDSHAKE_TIMEOUT = 5.0
 # Connections from one address still in their handshake; more are closed at once.
@@ -35,7 +36,7 @@ class Served:
 
     sid: bytes
     info: c.PeerInfo
-    session: c.Session = field(init=False)
+    session: Session = field(init=False)
     acks: dict[int, anyio.Event] = field(default_factory=dict)
 
     @property
@@ -194,7 +195,7 @@ class Listener:
             return None
 
         handlers: dict[int, Any] = {w.LOOKUP: on_lookup, w.WITHDRAWN_ACK: on_ack}
-        served.session = c.Session(ch, interval, handlers, on_end, label, silent)
+        served.session = Session(ch, interval, handlers, on_end, label, silent)
         for transport in self.transports:
             handlers.update(transport.session_handlers(served))
         self.sessions[served.sid] = served

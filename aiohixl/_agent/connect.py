@@ -1,0 +1,105 @@
+"""Agent.connect(): the handshake, each usable transport's link, the native channel, the session."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import anyio
+
+from .. import transports as tr
+from .._control import handshake as c
+from .._control import wire as w
+from .._loop.engine import Engine
+from ..errors import ConnectFailed, ConnectionLost, ConnectTimeout, InvalidArgument
+from ..transports.base import AgentView
+from .peer_core import PeerCore, PeersOwner
+
+
+class Connector(PeersOwner, AgentView, Protocol):
+    """What connecting needs of the agent (``core.AgentCore``)."""
+
+    engine: Engine
+    transports: dict[str, tr.Transport]
+
+    @property
+    def unavailable(self) -> dict[str, str]: ...
+
+    def open_transports(self) -> None: ...
+
+    def identity(self) -> c.Identity: ...
+
+
+async def connect(
+    agent: Connector, host: str, port: int, key: bytes, timeout: float, wanted: tuple[str, ...], what: str
+) -> PeerCore:
+    """A connected peer's plumbing, its session started; whatever was half made is let go on failure."""
+    agent.engine.attach(what)
+    agent.open_transports()
+    me = agent.identity()
+    links: list[tr.Link] = []
+    ch: c.Channel | None = None
+    try:
+        with anyio.fail_after(timeout):
+            ch = c.Channel(await c.connect_tcp(host, port, what))
+            info = await c.client_handshake(ch, key, w.ROLE_CONTROL, bytes(16), me, what)
+            assert info is not None
+            usable = [t for n, t in agent.transports.items() if n in wanted and t.usable_with(info)]
+            if not usable:
+                why = "".join(f" ({n} here: {why})" for n, why in agent.unavailable.items() if n in wanted)
+                raise InvalidArgument(
+                    f"{what}: no transport in common: we allow {wanted}{why}, the peer offers {info.transports}"
+                )
+            dial = tr.Dial(agent, me, info, host, port, key, ch, what)
+            for transport in usable:
+                link = await transport.dial(dial)
+                if link is not None:
+                    links.append(link)
+            if links and not any(link.is_channel for link in links):
+                # Heartbeats and notifications need a native channel of their own.
+                maker = next(t for t in agent.transports.values() if t.makes_channels)
+                channel = await maker.dial(dial)
+                if channel is None:
+                    raise ConnectionLost(f"{what}: could not open the native channel")
+                links.append(channel)
+    except TimeoutError:
+        await _abandon(ch, links)
+        raise ConnectTimeout(f"{what}: no answer within {timeout} s") from None
+    except ConnectFailed:
+        await _abandon(ch, links)
+        raise
+    except c.STREAM_ERRORS as exc:
+        await _abandon(ch, links)
+        lost = ConnectionLost(f"{what}: the connection broke during the handshake ({exc or type(exc).__name__})")
+        lost.errno = getattr(exc, "errno", None)  # e.g. the native side's refusal of a connection
+        raise lost from None
+    except BaseException:
+        await _abandon(ch, links)
+        raise
+    if not links:
+        await _abandon(ch, links)
+        raise InvalidArgument(f"{what}: no usable transport (allowed {wanted}, peer offers {info.transports})")
+    channel = next(link for link in links if link.is_channel)
+    if channel is links[-1] and len(links) > 1 and channel.name not in wanted:
+        links.pop()  # a channel only, not a path for data
+    peer = PeerCore(agent, links, info.agent_id, info.name, info=info, channel=channel)
+    agent.peers.add(peer)
+    peer.start_session(ch)
+    return peer
+
+
+def transport_names(transports: str | tuple[str, ...], what: str) -> tuple[str, ...]:
+    if transports == "auto":
+        return tr.NAMES
+    if isinstance(transports, str) or any(t not in tr.NAMES for t in transports):
+        raise InvalidArgument(f"{what}: choose 'auto' or a tuple of {tr.NAMES}, not {transports!r}")
+    return tuple(transports)
+
+
+async def _abandon(ch: c.Channel | None, links: list[tr.Link]) -> None:
+    """A connection that failed half-way: let go of what it had made."""
+    for link in links:
+        link.close()
+        await link.aclose()
+        link.free()
+    if ch is not None:
+        await ch.aclose()

@@ -1,0 +1,91 @@
+"""Test hooks: the internal states the library's tests check, named in this one place.
+
+Not part of the API (nothing here is exported by ``aiohixl``); it changes with the internals.
+"""
+
+from __future__ import annotations
+
+from ._agent.core import AgentCore
+from ._agent.peer_core import PeerCore
+from ._control.handshake import Identity
+from ._loop.engine import Engine
+from .agent import Agent
+from .descriptor import RegionInfo
+from .memory import Region
+from .peer import Peer
+from .transports.base import Link, Transport
+
+__all__ = [
+    "engine",
+    "held_ops",
+    "identity",
+    "in_flight_on",
+    "links",
+    "live_regions",
+    "notes_link",
+    "peer_tracked",
+    "region_info",
+    "tracked_peers",
+    "transport",
+]
+
+
+def engine(agent: Agent) -> Engine:
+    """The agent's completion engine: ``completed``, ``unknown_completions``, ``drain()``, ``native``."""
+    return _agent(agent).engine
+
+
+def held_ops(agent: Agent) -> int:
+    """Ops held for the burst's flush right now."""
+    return engine(agent).held
+
+
+def in_flight_on(agent: Agent, region: Region) -> bool:
+    """Whether an op in flight keeps ``region`` (as its local end)."""
+    return engine(agent).oldest_op(lambda op: any(r is region for r in op[1])) is not None
+
+
+def identity(agent: Agent) -> Identity:
+    """Who the agent says it is in a handshake (for tests that speak the protocol by hand)."""
+    return _agent(agent).identity()
+
+
+def region_info(region: Region) -> RegionInfo:
+    """What a peer learns of ``region``: its descriptor, decoded."""
+    return _agent(region.agent).regions.info(region)
+
+
+def live_regions(agent: Agent) -> list[Region]:
+    return _agent(agent).regions.live_all()
+
+
+def transport(agent: Agent, name: str) -> Transport:
+    """The agent's transport object ``name`` (e.g. ``"shm"``: its ``socket_name``)."""
+    return _agent(agent).transports[name]
+
+
+def tracked_peers(agent: Agent) -> int:
+    """Peers whose native handles the agent still holds (a closed peer's go once its ops are back)."""
+    return len(_agent(agent).peers)
+
+
+def peer_tracked(agent: Agent, peer: Peer) -> bool:
+    return _peer(peer) in _agent(agent).peers
+
+
+def links(peer: Peer) -> list[Link]:
+    """The peer's data links, in order of preference."""
+    return _peer(peer).links
+
+
+def notes_link(peer: Peer) -> Link:
+    """The link the peer's notifications travel on."""
+    return _peer(peer).notes
+
+
+def _agent(agent: Agent) -> AgentCore:
+    return agent._core  # the one reach into an Agent
+
+
+def _peer(peer: Peer) -> PeerCore:
+    return peer._core  # the one reach into a Peer
