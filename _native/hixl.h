@@ -33,6 +33,9 @@ enum { HX_OP_PUT = 1, HX_OP_GET = 2 };
  * (asyncio: once the loop's current callbacks have run), so a transport may
  * hold the op until then and send a burst of them together. */
 enum { HX_OP_HOLD = 0x100 };
+/* Or'ed in with HX_OP_HOLD: a notification (hx_peer_note) follows this op at
+ * once, so a transport may hold it whatever its size and send both together. */
+enum { HX_OP_NOTE_NEXT = 0x200 };
 /* hx_peer_post: HX_DONE_INLINE: the op finished inline, no completion will
  * follow; HX_POSTED_HELD: posted, and held until hx_peer_flush. */
 enum { HX_POSTED = 0, HX_DONE_INLINE = 1, HX_POSTED_HELD = 2 };

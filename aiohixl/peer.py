@@ -248,8 +248,10 @@ class Peer(metaclass=NoPublicConstructor):
         if imm is not None and not 0 <= imm <= 0xFFFFFFFF:
             raise InvalidArgument(f"{what}: imm={imm} is not a 32-bit unsigned value")
         if self._one_route is not None and imm is None:
-            waiters = self._one_route.post(engine, opcode, checked, what, core, None)
             behind = core.ordered  # the message can follow this op's data on its link
+            # Then the op is held for the message (tcp), to go out and be answered with it.
+            flags = engine.note_next if notify is not None and behind and len(checked) == 1 else 0
+            waiters = self._one_route.post(engine, opcode | flags, checked, what, core, None)
         else:
             waiters = []
             groups = await self._group(checked, what)

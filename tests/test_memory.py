@@ -295,6 +295,36 @@ async def test_closing_region_releases_buffer(agent):
         region.descriptor()
 
 
+def _mapped(name: str) -> bool:
+    with open("/proc/self/maps") as maps:
+        return any(f"memfd:aiohixl:{name} " in line for line in maps)
+
+
+async def test_closing_allocated_region_unmaps_it_before_close_returns(agent):
+    # The unmap runs on a worker thread (GiBs take a second), yet close() returns only after it.
+    region = agent.allocate(8 << 20, name="gone")
+    assert _mapped("gone")
+    await region.close()
+    assert not _mapped("gone") and region.pinned.fd is None
+
+
+async def test_cancelled_close_still_releases_the_region(agent):
+    region = agent.allocate(8 << 20, name="cancelled")
+    task = asyncio.create_task(region.close())
+    await asyncio.sleep(0)  # started: the unmap may be on its worker thread now
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert region.closed and not _mapped("cancelled")
+
+
+async def test_aclose_unmaps_every_allocated_region():
+    agent = aiohixl.Agent("owner")
+    regions = [agent.allocate(4 << 20, name=f"pool{i}") for i in range(3)]
+    await agent.aclose()
+    assert all(r.closed for r in regions)
+    assert not any(_mapped(f"pool{i}") for i in range(3))
+
+
 async def test_descriptor_roundtrip_and_checks(agent):
     region = agent.allocate(4096, name="kv", access=Access.REMOTE_WRITE)
     desc = region.descriptor()

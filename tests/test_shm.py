@@ -167,3 +167,29 @@ async def test_closed_peers_release_their_native_resources(transports):
         assert await target.hash("kv", 0, 8 << 20) == sha(pattern(8 << 20, 4))
     finally:
         await target.aclose()
+
+
+def _mapped(name: str) -> bool:
+    with open("/proc/self/maps") as maps:
+        return any(f"memfd:aiohixl:{name} " in line for line in maps)
+
+
+async def test_closing_a_peer_or_agent_unmaps_the_targets_memfds():
+    # Unmapped off the loop, and gone when aclose() returns: with ops in flight on the mapping too.
+    target = await Target.start()
+    try:
+        await target.alloc("mapped", 8 << 20)
+        agent = aiohixl.Agent(token=TOKEN)
+        src = agent.register(pattern(8 << 20, 5))
+        for close_agent in (False, True):
+            peer = await agent.connect(target.address)
+            kv = await peer.region("mapped")
+            assert await peer.path(kv) == "shm-memfd" and _mapped("mapped")
+            pending = [asyncio.create_task(peer.put(kv, src)) for _ in range(3)]
+            await asyncio.sleep(0)
+            await (agent.aclose() if close_agent else peer.aclose())
+            assert not _mapped("mapped")
+            results = await asyncio.gather(*pending, return_exceptions=True)
+            assert all(r is None or isinstance(r, aiohixl.ClosedError) for r in results), results
+    finally:
+        await target.aclose()

@@ -1,5 +1,5 @@
 /* Native baselines for the bench: copies, process_vm_writev, a tcp stream and
- * tcp round trips, with the timing loops in C. See baselines.h.
+ * tcp round trips, eventfd wake-ups, with the timing loops in C. See baselines.h.
  *
  * Children are fork()ed and do nothing but system calls until _exit(), so
  * forking from the (multi-threaded) Python process is safe; each one dies
@@ -16,6 +16,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -683,6 +684,87 @@ done:
         rc = -1;
     }
     unmap_buf(buf, request);
+    free(samples);
+    return rc;
+}
+
+int hb_wake_rtt(double seconds, hb_rtt_result *out)
+{
+    memset(out, 0, sizeof *out);
+    int ping = eventfd(0, EFD_CLOEXEC), pong = eventfd(0, EFD_CLOEXEC);
+    if (ping < 0 || pong < 0) {
+        out->err = errno;
+        out->where = "eventfd";
+        if (ping >= 0)
+            close(ping);
+        return -1;
+    }
+    pid_t pid = fork_child();
+    if (pid == 0) {
+        /* The responder: each wake-up answered with one, until ping says 2 (the end). */
+        uint64_t v;
+        for (;;) {
+            if (read(ping, &v, sizeof v) != sizeof v)
+                _exit(1);
+            if (v != 1)
+                _exit(0);
+            v = 1;
+            if (write(pong, &v, sizeof v) != sizeof v)
+                _exit(1);
+        }
+    }
+    int rc = -1;
+    double *samples = NULL;
+    uint64_t n = 0, v;
+    if (pid < 0) {
+        out->err = errno;
+        out->where = "fork";
+        goto done;
+    }
+    samples = malloc(RTT_MAX_SAMPLES * sizeof *samples);
+    if (!samples) {
+        out->err = ENOMEM;
+        out->where = "alloc";
+        goto done;
+    }
+    double t0 = 0, start = 0, t = 0;
+    for (int i = -RTT_WARMUP; n < RTT_MAX_SAMPLES; i++) {
+        if (i == 0)
+            start = now();
+        if (i >= 0)
+            t0 = now();
+        v = 1;
+        if (write(ping, &v, sizeof v) != sizeof v || read(pong, &v, sizeof v) != sizeof v) {
+            out->err = errno ? errno : EPIPE;
+            out->where = "wake-up";
+            goto done;
+        }
+        if (i >= 0) {
+            t = now();
+            samples[n++] = t - t0;
+            if (t - start >= seconds && n >= 100)
+                break;
+        }
+    }
+    qsort(samples, n, sizeof *samples, cmp_double);
+    out->ops = n;
+    out->median_us = (n % 2 ? samples[n / 2] : (samples[n / 2 - 1] + samples[n / 2]) / 2) * 1e6;
+    out->p99_us = samples[(uint64_t)((double)n * 0.99)] * 1e6;
+    out->mean_us = (t - start) / (double)n * 1e6;
+    rc = 0;
+done:
+    if (pid > 0) {
+        v = 2;
+        if (write(ping, &v, sizeof v) != sizeof v)
+            kill(pid, SIGKILL);
+        if (reap(pid) < 0 && rc == 0) {
+            out->err = ECHILD;
+            out->where = "responder exit";
+            rc = -1;
+        }
+    }
+    close(ping);
+    close(pong);
     free(samples);
     return rc;
 }

@@ -68,6 +68,12 @@ int hb_tcp_stream(uint64_t write_size, int spin, double seconds, hb_stream_resul
  * MSG_DONTWAIT and sched_yield on both ends, as aiohixl's I/O threads do
  * while active. */
 int hb_tcp_rtt(uint32_t request, int spin, double seconds, hb_rtt_result *out);
+
+/* Wake-up round trips to a forked child through two eventfds, each end
+ * blocked in read() until the other's write(): half of one is the native
+ * one-way wake-up between two processes, the least a notification that wakes
+ * a blocked target can cost. */
+int hb_wake_rtt(double seconds, hb_rtt_result *out);
 /* CDEF-END */
 
 #endif

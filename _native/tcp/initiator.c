@@ -297,8 +297,8 @@ static int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, 
 {
     conn *c = (conn *)p;
     hx_agent *a = p->agent;
-    bool hold = opcode & HX_OP_HOLD;
-    opcode &= ~HX_OP_HOLD;
+    bool hold = opcode & HX_OP_HOLD, note_next = opcode & HX_OP_NOTE_NEXT;
+    opcode &= ~(HX_OP_HOLD | HX_OP_NOTE_NEXT);
     tcp_op *op = calloc(1, sizeof *op + n * sizeof(hx_region *));
     if (!op)
         return HX_E_NOMEM;
@@ -324,7 +324,9 @@ static int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, 
     if (rc == HX_OK) {
         op->remaining = count;
         uint64_t busy_ns = T(a)->busy_ns, done_at = 0;
-        hold = hold && payload >= HX_HOLD_MIN && payload <= HX_HOLD_MAX;
+        /* With its notification next, an op goes out in one sendmsg with it and
+         * is answered with it: one wake-up at each end, not two. */
+        hold = hold && payload <= HX_HOLD_MAX && (payload >= HX_HOLD_MIN || note_next);
         rc = submit(a, c, first, last, count, hold, busy_ns ? &done_at : NULL);
         if (rc == HX_POSTED_HELD)
             return rc;

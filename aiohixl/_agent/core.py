@@ -14,6 +14,7 @@ from typing import Any
 from .. import transports as tr
 from .._control import handshake as c
 from .._control.listener import Listener
+from .._loop.backends import current_backend
 from .._loop.engine import Engine
 from .._loop.native import ffi, lib
 from ..errors import ClosedError
@@ -154,11 +155,15 @@ class AgentCore:
             peer.end_session()
             await peer.release_links()
         await self.engine.shutdown()
-        for peer in list(self.peers):
-            peer.free()
+        peers = list(self.peers)
         self.peers.clear()
-        self.engine.free()
-        self.regions.release_all()
+        # Unmapping GiBs takes a second: off the loop (a shm peer's free unmaps its mappings).
+        backend = self.engine.backend or current_backend()
+        try:
+            await backend.run_to_end(_free, peers)
+        finally:
+            self.engine.free()
+            await self.regions.release_all_off_loop(backend)
 
     def close_abandoned(self, agent: Any) -> None:
         """An agent nobody closed (collected, or open at exit): warn, then free everything, synchronously.
@@ -186,6 +191,11 @@ class AgentCore:
                 engine.native = None
         self.peers.clear()
         self.regions.release_all()
+
+
+def _free(peers: list[Any]) -> None:
+    for peer in peers:
+        peer.free()
 
 
 # The transports' slots in hx_stats, in the native order.

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import anyio
 
 from .._control.listener import Listener
+from .._loop.backends import Backend
 from .._loop.engine import Engine
 from .._loop.native import check, ffi, lib
 from ..descriptor import RegionInfo, encode_info
@@ -200,11 +201,12 @@ class Regions:
         rc = lib.hx_region_remove(engine.native, region.id, 0)
         if rc == lib.HX_E_BUSY:
             # A remote access is still running on a native thread.
-            rc = await anyio.to_thread.run_sync(lib.hx_region_remove, engine.native, region.id, 1)
+            rc = await backend.run_to_end(lib.hx_region_remove, engine.native, region.id, 1)
         for transport in core.transports.values():
             transport.region_removed(region)
         self.by_id.pop(region.id, None)
-        region.pinned.release()
+        # Unmapping a pool of GiBs takes a second: off the loop, and gone when close() returns.
+        await backend.run_to_end(region.pinned.release)
 
     def release_all(self) -> None:
         """The agent is gone (its native side freed): every region closed, its memory unpinned."""
@@ -214,8 +216,22 @@ class Regions:
         self.by_id.clear()
         self.named.clear()
 
+    async def release_all_off_loop(self, backend: Backend) -> None:
+        """release_all(), the unmapping on a worker thread (GiBs take a second), awaited to its end."""
+        regions = list(self.by_id.values())
+        self.by_id.clear()
+        self.named.clear()
+        for region in regions:
+            region.closed = True
+        await backend.run_to_end(_release, [region.pinned for region in regions])
+
     def __len__(self) -> int:
         return len(self.by_id)
+
+
+def _release(pinned: list[Pinned]) -> None:
+    for p in pinned:
+        p.release()
 
 
 def check_region_args(access: Any, name: Any, what: str) -> Access | None:

@@ -11,6 +11,7 @@ import collections.abc
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import sniffio
 
 __all__ = ["Backend", "current_backend"]
@@ -30,6 +31,11 @@ class Backend:
     async def wait(self, waiter: Any) -> None: ...
     def spawn(self, fn: Callable[[], Any], name: str) -> None:
         """Run ``fn()`` in the background; it must catch its own exceptions."""
+
+    async def run_to_end(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on a worker thread (its result), waited for to its end even through a
+        cancellation, which is raised once it is done: what it releases is released
+        when the caller goes on."""
 
     def is_current(self) -> bool:
         """Whether the caller runs in the event loop (trio run) this backend was made in."""
@@ -145,6 +151,23 @@ class AsyncioBackend(Backend):
     async def wait(self, waiter: asyncio.Future) -> None:
         await waiter
 
+    async def run_to_end(self, fn: Callable[..., Any], *args: Any) -> Any:
+        # A shielded anyio scope does not hold off a native Task.cancel(): a task of its own does.
+        # anyio's worker threads, which the *_async calls use too: starting a new thread blocks the loop until it runs.
+        future = self.loop.create_task(anyio.to_thread.run_sync(fn, *args))
+        cancelled: asyncio.CancelledError | None = None
+        while True:
+            try:
+                await asyncio.shield(future)
+                break
+            except asyncio.CancelledError as exc:
+                if future.done():
+                    raise
+                cancelled = exc
+        if cancelled is not None:
+            raise cancelled
+        return future.result()
+
     def spawn(self, fn: Callable[[], Any], name: str) -> None:
         task = self.loop.create_task(fn(), name=name)
         self._tasks.add(task)  # the loop keeps only weak references
@@ -219,6 +242,12 @@ class TrioBackend(Backend):
             raise
         if waiter.exc is not None:
             raise waiter.exc
+
+    async def run_to_end(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with self.trio.CancelScope(shield=True):  # trio waits for the thread, even cancelled
+            result = await self.trio.to_thread.run_sync(fn, *args)
+        await self.trio.lowlevel.checkpoint_if_cancelled()
+        return result
 
     def spawn(self, fn: Callable[[], Any], name: str) -> None:
         self.trio.lowlevel.spawn_system_task(fn, name=name)

@@ -59,6 +59,8 @@ class Engine:
         self.loop: Any = None  # the asyncio loop attached to (the fast path posts at the call), else None
         self.loop_is_base = False  # it is asyncio's own loop: its _thread_id says which thread runs it
         self._hold = 0  # HX_OP_HOLD where the loop can run the flush (asyncio: call_soon)
+        # Or'ed into a lone put that its notification follows at once (Peer): held to go out with it.
+        self.note_next = 0
         self._burst = False  # the last flush sent more than one op
         self._ops: dict[int, _Op] = {}
         self._next_id = 1
@@ -129,7 +131,7 @@ class Engine:
     def closing(self) -> None:
         """The agent closes: nothing is posted at the call any more (Peer's checked path says why)."""
         self.loop = None
-        self._hold = 0
+        self._hold = self.note_next = 0
 
     @property
     def full(self) -> bool:
@@ -149,6 +151,7 @@ class Engine:
             if backend.name == "asyncio":
                 self.loop = backend.loop  # type: ignore[attr-defined]
                 self._hold = _HOLD
+                self.note_next = _HOLD | lib.HX_OP_NOTE_NEXT
                 self.loop_is_base = isinstance(self.loop, asyncio.BaseEventLoop) and hasattr(self.loop, "_thread_id")
         elif not backend.is_current():
             raise WrongEventLoop(

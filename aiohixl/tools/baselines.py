@@ -23,6 +23,9 @@ drives it:
 - tcp round trip: 4 KiB out, 1 byte back, TCP_NODELAY, between two processes;
   once blocking in recv and once polling on both ends (as aiohixl's tcp I/O
   threads poll while active). The faster of the two is the limit.
+- wake-up round trip: two processes, each blocked in read() on an eventfd
+  until the other writes it; half of one is the native one-way wake-up, the
+  least a notification to a blocked target costs beyond its put.
 
 Copy rates are GB/s (1e9 bytes/s) over batches of whole copies (at least
 1 ms, at least five of them), the clock read only between batches. The
@@ -111,6 +114,21 @@ def tcp_rtt_us(seconds: float, spin: bool, request: int = RTT_REQUEST) -> dict[s
     if m.lib.hb_tcp_rtt(request, int(spin), seconds, res) != 0:
         raise OSError(res.err, _error(res, m.ffi, "tcp round trip"))
     return {"median": res.median_us, "p99": res.p99_us, "mean": res.mean_us, "ops": res.ops}
+
+
+def wake_rtt_us(seconds: float) -> dict[str, float]:
+    """An eventfd wake-up round trip between two blocked processes; one way is half of it."""
+    m = _native()
+    res = m.ffi.new("hb_rtt_result *")
+    if m.lib.hb_wake_rtt(seconds, res) != 0:
+        raise OSError(res.err, _error(res, m.ffi, "wake-up round trip"))
+    return {"median": res.median_us, "p99": res.p99_us, "mean": res.mean_us, "ops": res.ops}
+
+
+def one_way_wake_us(b: dict[str, Any]) -> float | None:
+    """Half the median wake-up round trip: the notification rows' limit."""
+    rtt = b.get("wake_rtt_us")
+    return rtt["median"] / 2 if rtt else None
 
 
 def _free_port() -> int:
@@ -230,6 +248,8 @@ def measure(
     out["tcp_rtt_us"] = attempt("tcp round trip", lambda: tcp_rtt_us(rtt_seconds, spin=False))
     out["tcp_rtt_spin_us"] = attempt("tcp round trip (polling)", lambda: tcp_rtt_us(rtt_seconds, spin=True))
     step("tcp round trip")
+    out["wake_rtt_us"] = attempt("wake-up round trip", lambda: wake_rtt_us(rtt_seconds))
+    step("wake-up round trip")
     return out
 
 
@@ -254,8 +274,8 @@ def combine(passes: list[dict[str, Any]]) -> dict[str, Any]:
         for how in ("blocking", "polling")
     }
     out["tcp_stream_gbps"] = max((p["tcp_stream_gbps"] for p in passes if p["tcp_stream_gbps"]), default=None)
-    for key in ("tcp_rtt_us", "tcp_rtt_spin_us"):
-        out[key] = min((p[key] for p in passes if p[key]), key=lambda v: v["median"], default=None)
+    for key in ("tcp_rtt_us", "tcp_rtt_spin_us", "wake_rtt_us"):
+        out[key] = min((p[key] for p in passes if p.get(key)), key=lambda v: v["median"], default=None)
     out["errors"] = {k: v for p in passes for k, v in p["errors"].items()}
     out["passes"] = passes
     return out

@@ -695,6 +695,11 @@ def render_baselines(b: dict[str, Any]) -> list[str]:
             f"  tcp round trip, {b['tcp_rtt_request_bytes'] // KiB} KiB + 1-byte reply, {how}:".ljust(52)
             + (f"{v['median']:7.1f} us median {v['p99']:8.1f} us p99" if v else "not measured")
         )
+    v = b.get("wake_rtt_us")
+    lines.append(
+        "  eventfd wake-up round trip, 2 processes, blocking:".ljust(52)
+        + (f"{v['median']:7.1f} us median {v['p99']:8.1f} us p99 (one way: half)" if v else "not measured")
+    )
     for key, why in b.get("errors", {}).items():
         lines.append(f"  {key}: not measured: {why}")
     return lines
@@ -803,10 +808,12 @@ def render(r: Results) -> str:
             f"  4 KiB puts/s (best of {ROUNDS} rounds): gather {s['gather_ops_per_s']:,.0f}"
             f"   put_many {s['put_many_ops_per_s']:,.0f}"
         )
+        wake = baselines.one_way_wake_us(b)
+        limit = f"; native one-way wake-up {wake:.1f} us" if wake else ""
         for size, v in t.get("notify", {}).items():
             lines.append(
                 f"  put(notify=) {size:>7} -> notification() at the target: median {v['median_us']:8.1f} us"
-                f"  (awaited put alone {v['put_median_us']:.1f} us)"
+                f"  (awaited put alone {v['put_median_us']:.1f} us{limit})"
             )
     for name, why in r.skipped.items():
         lines += ["", f"{name}: not measured: {why}"]

@@ -21,6 +21,7 @@ import anyio
 
 from .._control import handshake as c
 from .._control.handshake import Identity, PeerInfo
+from .._loop.backends import current_backend
 from .._loop.native import ffi, lib
 from ..descriptor import RegionInfo
 from ..errors import HixlError
@@ -47,6 +48,7 @@ class ShmLink(Link):
         self._cma = cma
         self._session = session
         self._freed = False
+        self._mapped: set[int] = set()  # memfd regions mapped here
 
     async def reach(self, info: RegionInfo, control: ControlView | None, what: str) -> str | None:
         if control is None:
@@ -65,6 +67,7 @@ class ShmLink(Link):
                 finally:
                     os.close(fd)
                 if rc == 0:
+                    self._mapped.add(rid)
                     return "shm-memfd"
                 c.log.info("aiohixl: %s region %d: mapping refused (status %d)", control.label, rid, rc)
         if self._cma and lib.hx_shm_attach(self.handle, rid, own.address, own.nbytes, int(own.access)) == 0:
@@ -85,14 +88,24 @@ class ShmLink(Link):
         return int(fds[0])
 
     async def forget(self, region_id: int) -> None:
+        self._mapped.discard(region_id)
         if not self._freed:
-            await anyio.to_thread.run_sync(lib.hx_shm_forget, self.handle, region_id, 1)
+            # Waits for the copies still running in it: to their end, or free() would pull the registry away.
+            await current_backend().run_to_end(lib.hx_shm_forget, self.handle, region_id, 1)
 
     async def aclose(self) -> None:
-        if self._uds is not None:
-            uds, self._uds = self._uds, None
-            with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True):
+            if self._uds is not None:
+                uds, self._uds = self._uds, None
                 await uds.aclose()
+            # Unmapping GiBs takes a second: here, off the loop, rather than in free() on it.
+            mapped, self._mapped = self._mapped, set()
+            if mapped and not self._freed:
+                await current_backend().run_to_end(self._forget_all, mapped)
+
+    def _forget_all(self, region_ids: set[int]) -> None:
+        for rid in region_ids:
+            lib.hx_shm_forget(self.handle, rid, 1)  # waits for the copies still running in it
 
     def free(self) -> None:
         self._freed = True
