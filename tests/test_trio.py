@@ -58,11 +58,11 @@ def test_concurrent_ops_and_errors_on_trio():
             with pytest.raises(aiohixl.TransferTimeout):
                 big = agent.register(np.ones(200 << 20, dtype=np.uint8))
                 await peer.put(d, big, timeout=0.0001)
-            # Timed out: its completion was not read yet (reading it ends the wait), so the op
-            # is still accounted for, and nothing ran between the timeout and this line.
-            assert agent.outstanding == 1
-            await wait_until(lambda: agent.outstanding == 0, what="the timed-out put's completion")
-            assert dst_arr.all()
+            # Timed out, and the copy goes on: its source stays registered until it ends
+            # (closing the region waits for it; a loaded machine may have ended it already).
+            assert agent.outstanding in (0, 1)
+            await big.close()
+            assert agent.outstanding == 0 and dst_arr.all()
 
     run(main)
 
