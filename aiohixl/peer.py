@@ -11,6 +11,7 @@ from typing import Any, Union
 from ._agent.peer_core import PeerCore
 from ._construct import NoPublicConstructor
 from ._control import wire as w
+from ._loop.backends import DoneOp as _DoneOp
 from ._loop.backends import Op as _Op
 from ._loop.native import lib
 from .errors import (
@@ -187,7 +188,7 @@ class Peer(metaclass=NoPublicConstructor):
             )
             if waiter is not None:
                 return _Op(waiter)
-        return _Op(None)
+        return _DoneOp()
 
     async def put_many(
         self,

@@ -48,34 +48,29 @@ class Op:
     treats it as it treats any coroutine: ``create_task``, ``TaskGroup`` and anyio take it,
     ``gather``/``wait_for``/``shield``/``as_completed``/``ensure_future`` wrap it in a Task,
     and ``asyncio.wait`` takes those Tasks. ``await op`` itself makes no Task: it awaits
-    the op's Future, or nothing for an op that ended as it was posted (``waiter`` None).
+    the op's Future (an op that ended as it was posted is a ``DoneOp``).
 
     Unlike a coroutine it may be awaited again (it returns at once), and one that is never
     awaited still moves its bytes: the op was posted when it was made."""
 
     __slots__ = ("_waiter", "_steps")
 
-    def __init__(self, waiter: asyncio.Future | None) -> None:
+    def __init__(self, waiter: asyncio.Future) -> None:
         self._waiter = waiter
         self._steps: Any = None
 
     def __await__(self) -> Any:
-        waiter = self._waiter
-        return iter(()) if waiter is None else waiter.__await__()
+        return self._waiter.__await__()
 
     def done(self) -> bool:
         """Whether awaiting it returns at once: the op ended (or the Task awaiting it was
         cancelled; the op itself then still finishes in the background)."""
-        waiter = self._waiter
-        return waiter is None or waiter.done()
+        return self._waiter.done()
 
     def send(self, value: Any) -> Any:
         steps = self._steps
         if steps is None:
-            waiter = self._waiter
-            if waiter is None:  # ended as it was posted
-                raise StopIteration
-            steps = self._steps = waiter.__await__()
+            steps = self._steps = self._waiter.__await__()
         return steps.send(value)
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
@@ -92,6 +87,38 @@ class Op:
 
 
 collections.abc.Coroutine.register(Op)
+
+
+class DoneOp(tuple):
+    """``Op`` of an op that ended as it was posted (most same-host ops): made and awaited
+    with no Python frame, since that is all such an op costs beyond its copy. An empty
+    tuple's iterator is the awaiting (it ends at once, with None); identity is its own, so
+    ops stay apart as dict keys and in sets."""
+
+    __slots__ = ()
+    __await__ = tuple.__iter__
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return "<aiohixl op: done>"
+
+    def done(self) -> bool:
+        return True
+
+    def send(self, value: Any) -> Any:
+        raise StopIteration
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        exc = typ if val is None else val
+        raise exc() if isinstance(exc, type) else exc
+
+    def close(self) -> None:
+        pass
+
+
+collections.abc.Coroutine.register(DoneOp)
 
 
 class HeldOpFuture(asyncio.Future):

@@ -126,8 +126,9 @@ class Proxy:
                 stream = bool(body.get("stream"))
                 # Decode's first bytes, unless prefill fails first: then decode's request
                 # (whose KV will not come) is closed, which aborts it, and prefill is named.
-                first = asyncio.ensure_future(resp.content.readany() if stream else resp.read())
-                await asyncio.wait({first, prefill}, return_when=asyncio.FIRST_COMPLETED)
+                first: asyncio.Future[bytes] = asyncio.ensure_future(resp.content.readany() if stream else resp.read())
+                racing: set[asyncio.Future[Any]] = {first, prefill}
+                await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
                 if prefill.done() and prefill.exception() is not None and not first.done():
                     first.cancel()
                     raise prefill.exception()  # type: ignore[misc]
