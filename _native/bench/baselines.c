@@ -596,6 +596,16 @@ done:
     return rc;
 }
 
+/* Median, p99 and mean of n round-trip samples (seconds) taken over elapsed seconds. */
+static void summarize_rtt(double *samples, uint64_t n, double elapsed, hb_rtt_result *out)
+{
+    qsort(samples, n, sizeof *samples, cmp_double);
+    out->ops = n;
+    out->median_us = (n % 2 ? samples[n / 2] : (samples[n / 2 - 1] + samples[n / 2]) / 2) * 1e6;
+    out->p99_us = samples[(uint64_t)((double)n * 0.99)] * 1e6;
+    out->mean_us = elapsed / (double)n * 1e6;
+}
+
 int hb_tcp_rtt(uint32_t request, int spin, double seconds, hb_rtt_result *out)
 {
     memset(out, 0, sizeof *out);
@@ -670,11 +680,7 @@ int hb_tcp_rtt(uint32_t request, int spin, double seconds, hb_rtt_result *out)
                 break;
         }
     }
-    qsort(samples, n, sizeof *samples, cmp_double);
-    out->ops = n;
-    out->median_us = (n % 2 ? samples[n / 2] : (samples[n / 2 - 1] + samples[n / 2]) / 2) * 1e6;
-    out->p99_us = samples[(uint64_t)((double)n * 0.99)] * 1e6;
-    out->mean_us = (t - start) / (double)n * 1e6;
+    summarize_rtt(samples, n, t - start, out);
     rc = 0;
 done:
     close(fd);
@@ -746,11 +752,7 @@ int hb_wake_rtt(double seconds, hb_rtt_result *out)
                 break;
         }
     }
-    qsort(samples, n, sizeof *samples, cmp_double);
-    out->ops = n;
-    out->median_us = (n % 2 ? samples[n / 2] : (samples[n / 2 - 1] + samples[n / 2]) / 2) * 1e6;
-    out->p99_us = samples[(uint64_t)((double)n * 0.99)] * 1e6;
-    out->mean_us = (t - start) / (double)n * 1e6;
+    summarize_rtt(samples, n, t - start, out);
     rc = 0;
 done:
     if (pid > 0) {
