@@ -62,6 +62,7 @@ int hx_pool_start(hx_agent *a, uint32_t n)
             a->nthreads = i;
             return HX_E_SYS;
         }
+        pthread_setname_np(a->threads[i], "hixl-copy"); /* top -H, perf: which thread is which */
     }
     a->nthreads = n;
     return HX_OK;

@@ -92,6 +92,7 @@ int hx_verbs_open(hx_agent *a, const char *dev, int port, int gid_index, int tim
         goto fail;
     }
     v->thread_started = true;
+    pthread_setname_np(v->thread, "hixl-verbs-cq");
     return HX_OK;
 fail:
     if (v->cq)

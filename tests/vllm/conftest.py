@@ -189,12 +189,16 @@ class Server(Proc):
     def wait_healthy(self, timeout: float = STARTUP_S) -> None:
         wait_until(f"{self.name} healthy", self.healthy, timeout, every=1.0)
 
-    def kv_usage(self) -> float:
+    def metric(self, name: str) -> float:
+        """The first sample of ``name`` (a prometheus metric of vLLM's /metrics)."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
             for line in r.read().decode().splitlines():
-                if line.startswith("vllm:kv_cache_usage_perc"):
+                if line.startswith(name):
                     return float(line.rsplit(" ", 1)[1])
-        raise AssertionError(f"{self.name}: no vllm:kv_cache_usage_perc in /metrics")
+        raise AssertionError(f"{self.name}: no {name} in /metrics")
+
+    def kv_usage(self) -> float:
+        return self.metric("vllm:kv_cache_usage_perc")
 
     def wait_drained(self, timeout: float = 60.0) -> None:
         wait_until(f"{self.name}'s KV cache usage back to 0", lambda: self.kv_usage() == 0.0, timeout)
@@ -228,10 +232,10 @@ class Cluster:
             args=("--enable-chunked-prefill", "--max-num-batched-tokens", "64"),
         )
         self.d = Server("d", model, root, s, role="kv_consumer", cpu=1, trace=self.trace)
-        self.proxy = self._proxy("proxy", self.p)
-        self.proxy_tcp = self._proxy("proxy-tcp", self.pt)
+        self.proxy = self.make_proxy("proxy", self.p, self.d)
+        self.proxy_tcp = self.make_proxy("proxy-tcp", self.pt, self.d)
 
-    def _proxy(self, name: str, p: Server) -> Proc:
+    def make_proxy(self, name: str, p: Server, d: Server) -> Proc:
         port = free_port()
         proc = Proc(
             name,
@@ -242,7 +246,7 @@ class Cluster:
                 "--prefill",
                 p.url,
                 "--decode",
-                self.d.url,
+                d.url,
                 "--port",
                 str(port),
             ],
