@@ -167,12 +167,13 @@ class Server(Proc):
                 "kv_connector_extra_config": cfg,
             }
             argv += ["--kv-transfer-config", json.dumps(kv)]
+        # VLLM_CPU_KVCACHE_SPACE would override --kv-cache-memory-bytes (vllm/platforms/cpu.py).
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
         env = dict(
-            os.environ,
+            env,
             AIOHIXL_TOKEN=token,
             VLLM_CPU_OMP_THREADS_BIND=str(cpu),
             HF_HUB_OFFLINE="1",
-            VLLM_CPU_KVCACHE_SPACE="1",
             PYTHONUNBUFFERED="1",
         )
         super().__init__(name, argv, env, logdir)
