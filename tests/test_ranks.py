@@ -1,8 +1,8 @@
-"""Ranks, groups and the rendezvous stores, with real processes (tests/ranks_worker.py) and a
-real redis-server (skipped, with the reason, when it is not installed).
+"""Ranks, groups and the rendezvous stores, with real processes (tests/ranks_worker.py), a
+real redis-server and a real etcd (each skipped, with the reason, when it is not installed).
 
-Every test runs over both stores where the behaviour is the same: the embedded tcp store
-(hosted by whichever process has rank 0) and Redis (entries with a lease).
+Every test runs over the three stores where the behaviour is the same: the embedded tcp store
+(hosted by whichever process has rank 0), Redis and etcd (entries with a lease).
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ import asyncio
 import hashlib
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,56 +24,39 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 import aiohixl
 
 from .harness import ROOT, TOKEN, LineProcess, pattern
-from .waiting import wait_until, wait_until_sync
+from .store_servers import Etcd, Redis, free_port
+from .waiting import wait_until
 
 SLOT = 256 << 10  # what each prefill rank writes into each decode rank's pool
-LEASE = 2.0  # redis lease in these tests: a dead rank's entry is gone within it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LEASE = 2.0  # redis and etcd lease in these tests: a dead rank's entry is gone within it
 
 
 @pytest.fixture(scope="module")
 def redis_url():
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (.ci/run installs it: apt-get install redis-server)")
-    pytest.importorskip("redis", reason="redis-py is not installed (the test extra has it)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},  # make test-asan preloads libasan
-    )
+    server = Redis()
+    server.start()
     try:
-
-        def answers() -> bool:
-            if proc.poll() is not None:
-                pytest.fail("redis-server exited at start")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                    s.sendall(b"PING\r\n")
-                    return s.recv(16).startswith(b"+PONG")
-            except OSError:
-                return False
-
-        wait_until_sync(answers, timeout=20, what="redis-server answering PING")
-        yield f"redis://127.0.0.1:{port}/0?lease={LEASE}"
+        yield f"redis://127.0.0.1:{server.port}/0?lease={LEASE:g}"
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
 
-@pytest.fixture(params=["tcp", "redis"])
+@pytest.fixture(scope="module")
+def etcd_url():
+    server = Etcd()
+    server.start()
+    try:
+        yield f"etcd://127.0.0.1:{server.port}/aiohixl-test?lease={LEASE:g}"
+    finally:
+        server.remove()
+
+
+@pytest.fixture(params=["tcp", "redis", "etcd"])
 def store(request):
     """A store URL for one test and a fresh job namespace."""
     if request.param == "tcp":
         return {"kind": "tcp", "url": f"tcp://127.0.0.1:{free_port()}", "job": "default"}
-    return {"kind": "redis", "url": request.getfixturevalue("redis_url"), "job": uuid.uuid4().hex[:12]}
+    return {"kind": request.param, "url": request.getfixturevalue(f"{request.param}_url"), "job": uuid.uuid4().hex[:12]}
 
 
 class Worker(LineProcess):
@@ -262,7 +243,8 @@ async def test_get_remote_mem_of_nbytes_is_a_window_of_nbytes(store):
 
 
 async def test_an_unreachable_store_is_a_connect_timeout_naming_it(store):
-    url = f"tcp://127.0.0.1:{free_port()}" if store["kind"] == "tcp" else f"redis://127.0.0.1:{free_port()}/0"
+    url = {"tcp": "tcp://{}", "redis": "redis://{}/0", "etcd": "etcd://{}"}[store["kind"]]
+    url = url.format(f"127.0.0.1:{free_port()}")
     t0 = time.monotonic()
     with pytest.raises(aiohixl.ConnectTimeout, match=url):
         await aiohixl.init(1, "decode", url, token=TOKEN, timeout=1.0)

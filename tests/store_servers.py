@@ -1,0 +1,101 @@
+"""Real store servers for the ranks tests: redis-server and etcd on free ports, started and stopped here."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import urllib.request
+
+import pytest
+
+from .waiting import wait_until_sync
+
+ENV = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # make test-asan preloads libasan
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One store server process; ``kill()`` ends it as a crash would, ``start()`` brings it back."""
+
+    def __init__(self, argv: list[str], port: int) -> None:
+        self.argv = argv
+        self.port = port
+        self.proc: subprocess.Popen | None = None
+
+    def answers(self) -> bool:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+
+        def up() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                pytest.fail(f"{self.argv[0]} exited at start ({self.proc.returncode})")
+            return self.answers()
+
+        wait_until_sync(up, timeout=30, what=f"{os.path.basename(self.argv[0])} answering on {self.port}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+class Redis(Server):
+    def __init__(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.skip("redis-server is not installed (.ci/run installs it: apt-get install redis-server)")
+        pytest.importorskip("redis", reason="redis-py is not installed (the test extra has it)")
+        port = free_port()
+        super().__init__([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], port)
+
+    def answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+
+class Etcd(Server):
+    """A one-member etcd with its data in a temporary folder (kept across kill/start, removed by ``remove()``)."""
+
+    def __init__(self) -> None:
+        exe = shutil.which("etcd")
+        if exe is None:
+            pytest.skip("etcd is not installed (.ci/run installs it: apt-get install etcd-server)")
+        pytest.importorskip("aetcd", reason="aetcd is not installed (the test extra has it)")
+        self.data = tempfile.mkdtemp(prefix="aiohixl-etcd-")
+        port, peer = free_port(), free_port()
+        client_url, peer_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{peer}"
+        argv = [exe, "--name", "test", "--data-dir", self.data, "--listen-client-urls", client_url]
+        argv += ["--advertise-client-urls", client_url, "--listen-peer-urls", peer_url]
+        argv += ["--initial-advertise-peer-urls", peer_url, "--initial-cluster", f"test={peer_url}"]
+        super().__init__(argv, port)
+
+    def answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as reply:
+                return b'"true"' in reply.read()
+        except OSError:
+            return False
+
+    def remove(self) -> None:
+        self.kill()
+        shutil.rmtree(self.data, ignore_errors=True)
