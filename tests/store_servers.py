@@ -54,6 +54,9 @@ class Server:
             self.proc.terminate()
             self.proc.wait(10)
 
+    def remove(self) -> None:
+        self.kill()
+
 
 class Redis(Server):
     def __init__(self) -> None:
@@ -97,5 +100,39 @@ class Etcd(Server):
             return False
 
     def remove(self) -> None:
-        self.kill()
+        super().remove()
         shutil.rmtree(self.data, ignore_errors=True)
+
+
+class TcpStore(Server):
+    """A standalone tcp store (``python -m aiohixl store``)."""
+
+    def __init__(self, token: str) -> None:
+        import sys
+
+        port = free_port()
+        super().__init__(
+            [sys.executable, "-m", "aiohixl", "store", "--listen", f"127.0.0.1:{port}", "--token", token], port
+        )
+
+    def answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+
+def private(kind: str, token: str, lease: int) -> tuple[Server, str]:
+    """A store server of one test's own (it may kill it) and its URL."""
+    if kind == "tcp":
+        server: Server = TcpStore(token)
+        url = f"tcp://127.0.0.1:{server.port}"
+    elif kind == "redis":
+        server = Redis()
+        url = f"redis://127.0.0.1:{server.port}/0?lease={lease}"
+    else:
+        server = Etcd()
+        url = f"etcd://127.0.0.1:{server.port}?lease={lease}"
+    server.start()
+    return server, url
