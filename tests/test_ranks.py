@@ -372,6 +372,10 @@ def test_bad_arguments_are_refused_before_anything_starts():
         asyncio.run(go(rank=0, token=TOKEN))
     with pytest.raises(aiohixl.InvalidArgument, match="not tcp://HOST:PORT"):
         asyncio.run(go(rank=0, store="http://x:1", token=TOKEN))
+    with pytest.raises(aiohixl.InvalidArgument, match="whole number of seconds"):
+        asyncio.run(go(rank=0, store="etcd://127.0.0.1:1?lease=1.5", token=TOKEN))
+    with pytest.raises(aiohixl.InvalidArgument, match="only option is lease"):
+        asyncio.run(go(rank=0, store="etcd://127.0.0.1:1/p?ttl=3", token=TOKEN))
     with pytest.raises(aiohixl.InvalidArgument, match="world_size 2"):
         asyncio.run(go(rank=2, world_size=2, store="tcp://127.0.0.1:1", token=TOKEN))
     with pytest.raises(aiohixl.InvalidArgument, match="rank="):
