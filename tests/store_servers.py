@@ -99,6 +99,13 @@ class Etcd(Server):
         except OSError:
             return False
 
+    def ctl(self, *args: str) -> None:
+        exe = shutil.which("etcdctl")
+        if exe is None:
+            pytest.skip("etcdctl is not installed (.ci/run installs it: apt-get install etcd-client)")
+        cmd = [exe, f"--endpoints=http://127.0.0.1:{self.port}", *args]
+        subprocess.run(cmd, check=True, capture_output=True, env=ENV, timeout=30)
+
     def remove(self) -> None:
         super().remove()
         shutil.rmtree(self.data, ignore_errors=True)

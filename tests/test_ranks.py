@@ -278,6 +278,34 @@ async def test_a_store_restarted_within_a_lease_under_live_ranks(kind):
         server.remove()
 
 
+async def test_etcd_users_right_credentials_join_wrong_ones_are_refused():
+    server, url = private("etcd", TOKEN, lease=15)
+    try:
+        server.ctl("user", "add", "root:root-pw")
+        server.ctl("user", "grant-role", "root", "root")
+        server.ctl("user", "add", "rank:rank-pw")
+        server.ctl("role", "add", "ranks")
+        server.ctl("role", "grant-permission", "ranks", "--prefix=true", "readwrite", "jobs/")
+        server.ctl("user", "grant-role", "rank", "ranks")
+        server.ctl("auth", "enable")
+        base = f"127.0.0.1:{server.port}"
+        store = {"url": f"etcd://rank:rank-pw@{base}/jobs", "job": "auth"}
+        async with await init(store, 0) as a, await init(store, 1, "decode") as b:
+            await asyncio.gather(a.barrier(timeout=30), b.barrier(timeout=30))
+            assert a.ranks() == b.ranks() == [0, 1]
+        refusals = {
+            f"etcd://rank:wrong@{base}/jobs": "invalid user ID or password",
+            f"etcd://{base}/jobs": "user name is empty",
+            f"etcd://rank:rank-pw@{base}/elsewhere": "permission denied",
+        }
+        for url, why in refusals.items():
+            with pytest.raises(aiohixl.AuthenticationError, match=why) as info:
+                await init({"url": url, "job": "auth"}, 2, timeout=5)
+            assert "rank-pw" not in str(info.value)
+    finally:
+        server.remove()
+
+
 async def test_a_second_live_process_claiming_a_rank_is_refused(store):
     worker = await Worker.start(store, "3:prefill,0:prefill")
     try:

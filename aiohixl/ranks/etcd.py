@@ -202,14 +202,20 @@ class EtcdStore(Store):
         try:
             while not self.closed and self.broken is None:
                 await anyio.sleep(self.ttl / 3)
-                if self.closed:
+                if self.closed or self.own is None:
                     return
                 try:
                     reply = await self._call("refresh the lease", self.client.refresh_lease, self.lease.id)
                 except StoreLost:
                     continue  # said again by fail() once a whole lease passed without etcd
+                if reply is not None and reply.TTL > 0 and self.url.username is not None:
+                    # etcd's simple auth tokens lapse unused (--auth-token-ttl, 5 min) and neither the
+                    # lease stream nor the watch uses ours: a read now and then keeps it
+                    try:
+                        await self._call("refresh the auth token", self.client.get, self._rank_key(self.own.rank))
+                    except StoreLost:
+                        continue
                 if reply is None or reply.TTL <= 0:
-                    assert self.own is not None
                     self.fail(
                         f"rank {self.own.rank}'s lease ended in etcd (did this process stall past its lease,"
                         " or etcd restart without its data?)"
