@@ -306,6 +306,17 @@ async def test_etcd_users_right_credentials_join_wrong_ones_are_refused():
         server.remove()
 
 
+async def test_a_rank_leaving_right_after_a_barrier_does_not_hold_back_the_others(store):
+    """Once every rank entered, the barrier is over for all of them, even if one leaves at once."""
+    b, a = await asyncio.gather(init(store, 0, world_size=2), init(store, 1, "decode", world_size=2))
+    async with b:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: b.barrier(timeout=30))
+            await anyio.wait_all_tasks_blocked()  # b waits in the barrier; a completes it and leaves
+            async with a:
+                await a.barrier(timeout=30)
+
+
 async def test_a_second_live_process_claiming_a_rank_is_refused(store):
     worker = await Worker.start(store, "3:prefill,0:prefill")
     try:
