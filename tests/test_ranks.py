@@ -1,8 +1,8 @@
-"""Ranks, groups and the rendezvous stores, with real processes (tests/ranks_worker.py) and a
-real redis-server (skipped, with the reason, when it is not installed).
+"""Ranks, groups and the rendezvous stores, with real processes (tests/ranks_worker.py), a
+real redis-server and a real etcd (each skipped, with the reason, when it is not installed).
 
-Every test runs over both stores where the behaviour is the same: the embedded tcp store
-(hosted by whichever process has rank 0) and Redis (entries with a lease).
+Every test runs over the three stores where the behaviour is the same: the embedded tcp store
+(hosted by whichever process has rank 0), Redis and etcd (entries with a lease).
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ import asyncio
 import hashlib
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,56 +24,39 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 import aiohixl
 
 from .harness import ROOT, TOKEN, LineProcess, pattern
-from .waiting import wait_until, wait_until_sync
+from .store_servers import Etcd, Redis, free_port, private
+from .waiting import wait_until
 
 SLOT = 256 << 10  # what each prefill rank writes into each decode rank's pool
-LEASE = 2.0  # redis lease in these tests: a dead rank's entry is gone within it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LEASE = 2.0  # redis and etcd lease in these tests: a dead rank's entry is gone within it
 
 
 @pytest.fixture(scope="module")
 def redis_url():
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (.ci/run installs it: apt-get install redis-server)")
-    pytest.importorskip("redis", reason="redis-py is not installed (the test extra has it)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},  # make test-asan preloads libasan
-    )
+    server = Redis()
+    server.start()
     try:
-
-        def answers() -> bool:
-            if proc.poll() is not None:
-                pytest.fail("redis-server exited at start")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                    s.sendall(b"PING\r\n")
-                    return s.recv(16).startswith(b"+PONG")
-            except OSError:
-                return False
-
-        wait_until_sync(answers, timeout=20, what="redis-server answering PING")
-        yield f"redis://127.0.0.1:{port}/0?lease={LEASE}"
+        yield f"redis://127.0.0.1:{server.port}/0?lease={LEASE:g}"
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
 
-@pytest.fixture(params=["tcp", "redis"])
+@pytest.fixture(scope="module")
+def etcd_url():
+    server = Etcd()
+    server.start()
+    try:
+        yield f"etcd://127.0.0.1:{server.port}/aiohixl-test?lease={LEASE:g}"
+    finally:
+        server.remove()
+
+
+@pytest.fixture(params=["tcp", "redis", "etcd"])
 def store(request):
     """A store URL for one test and a fresh job namespace."""
     if request.param == "tcp":
         return {"kind": "tcp", "url": f"tcp://127.0.0.1:{free_port()}", "job": "default"}
-    return {"kind": "redis", "url": request.getfixturevalue("redis_url"), "job": uuid.uuid4().hex[:12]}
+    return {"kind": request.param, "url": request.getfixturevalue(f"{request.param}_url"), "job": uuid.uuid4().hex[:12]}
 
 
 class Worker(LineProcess):
@@ -168,13 +149,15 @@ async def test_a_killed_rank_leaves_the_store_and_its_restart_is_reached(store):
             worker.kill()
             await worker.proc.wait()
             t0 = time.monotonic()
-            # The entry goes: embedded, when the connection drops; Redis, within the lease.
-            # (Redis: the lease task reads the store every lease/3 s)
+            # The entry goes: embedded, when the connection drops; Redis and etcd, within the lease.
+            # (Redis: the lease task reads the store every lease/3 s; etcd: the watch tells at once)
             await wait_until(lambda: 5 not in ctx.ranks(), timeout=30, what="rank 5 gone from the store")
             gone_after = time.monotonic() - t0
             # tcp: the kernel closes the dead process's socket at once; Redis: the lease (2 s) ends
-            # and the lease task (every lease/3 s) reads the store again. Loose bounds: a busy machine.
-            assert gone_after < (10 if store["kind"] == "tcp" else LEASE * 3 + 5), gone_after
+            # and the lease task (every lease/3 s) reads the store again; etcd: the lease ends (etcd
+            # checks expiry every 0.5 s) and the watch brings the deletion. Loose: a busy machine.
+            bound = {"tcp": 10, "redis": LEASE * 3 + 5, "etcd": LEASE + 2}[store["kind"]]
+            assert gone_after < bound, gone_after
             with pytest.raises(aiohixl.ConnectionLost):
                 await ctx.put(remote, src, SLOT)
         finally:
@@ -224,6 +207,116 @@ async def test_the_embedded_store_host_dying_is_a_clear_error():
         await host.aclose()
 
 
+async def _waiter(ctx, rank: int, outcome: list) -> None:
+    """get_remote_mem of ``rank``, its result or exception put in ``outcome``."""
+    try:
+        outcome.append(await ctx.get_remote_mem(rank, timeout=120))
+    except aiohixl.HixlError as exc:
+        outcome.append(exc)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "redis", "etcd"])
+async def test_a_store_gone_for_good_tells_every_waiter(kind):
+    """The store's server killed under live ranks: waiters raise StoreLost (tcp at once, Redis and
+    etcd once a whole lease passed without an answer), never hang; so does every later call."""
+    server, url = private(kind, TOKEN, lease=2)
+    store = {"kind": kind, "url": url, "job": "gone"}
+    try:
+        async with await init(store, 1, "decode") as ctx:
+            outcome: list = []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_waiter, ctx, 9, outcome)
+                await anyio.wait_all_tasks_blocked()
+                assert not outcome
+                server.kill()
+                await wait_until(lambda: outcome, timeout=60, what="the waiter told")  # not a hang
+            exc = outcome[0]
+            assert isinstance(exc, aiohixl.StoreLost), exc
+            assert url.split("?")[0] in str(exc), exc
+            with pytest.raises(aiohixl.StoreLost):
+                await ctx.barrier(timeout=60)
+            with pytest.raises(aiohixl.StoreLost):
+                await ctx.wait_ranks(5, timeout=60)
+    finally:
+        server.remove()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "redis", "etcd"])
+async def test_a_store_restarted_within_a_lease_under_live_ranks(kind):
+    """tcp: the connection is the entry, so a restarted standalone store is StoreLost for its
+    clients. Redis and etcd: the ranks carry on (Redis: the next refresh writes the entries again;
+    etcd: its data and leases survive, the watch resumes after the last revision seen), and a
+    waiter from before the restart finds a rank that joined after it."""
+    server, url = private(kind, TOKEN, lease=15)
+    store = {"kind": kind, "url": url, "job": "restart"}
+    try:
+        async with await init(store, 1, "decode") as a, await init(store, 2, "decode") as b:
+            outcome: list = []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_waiter, a, 3, outcome)
+                await anyio.wait_all_tasks_blocked()
+                server.kill()
+                server.start()
+                if kind == "tcp":
+                    await wait_until(lambda: outcome, timeout=60, what="the waiter told")
+                    assert isinstance(outcome[0], aiohixl.StoreLost), outcome
+                    with pytest.raises(aiohixl.StoreLost):
+                        await b.barrier(timeout=60)
+                    return
+                async with await init(store, 3, "decode") as c:
+                    kv = c.allocate_registered(4096)
+                    await wait_until(lambda: outcome, timeout=60, what="the waiter finding rank 3")
+                    remote = outcome[0]
+                    assert isinstance(remote, aiohixl.RemoteRegion), remote
+                    src = a.register(pattern(4096, 5))
+                    await a.put(remote, src)
+                    assert bytes(kv.memory) == pattern(4096, 5).tobytes()
+                    for ctx in (a, b, c):
+                        await wait_until(lambda ctx=ctx: ctx.ranks() == [1, 2, 3], timeout=60, what="every rank listed")
+                    await asyncio.gather(a.barrier(timeout=60), b.barrier(timeout=60), c.barrier(timeout=60))
+    finally:
+        server.remove()
+
+
+async def test_etcd_users_right_credentials_join_wrong_ones_are_refused():
+    server, url = private("etcd", TOKEN, lease=15)
+    try:
+        server.ctl("user", "add", "root:root-pw")
+        server.ctl("user", "grant-role", "root", "root")
+        server.ctl("user", "add", "rank:rank-pw")
+        server.ctl("role", "add", "ranks")
+        server.ctl("role", "grant-permission", "ranks", "--prefix=true", "readwrite", "jobs/")
+        server.ctl("user", "grant-role", "rank", "ranks")
+        server.ctl("auth", "enable")
+        base = f"127.0.0.1:{server.port}"
+        store = {"url": f"etcd://rank:rank-pw@{base}/jobs", "job": "auth"}
+        async with await init(store, 0) as a, await init(store, 1, "decode") as b:
+            await asyncio.gather(a.barrier(timeout=30), b.barrier(timeout=30))
+            assert a.ranks() == b.ranks() == [0, 1]
+        refusals = {
+            f"etcd://rank:wrong@{base}/jobs": "invalid user ID or password",
+            f"etcd://{base}/jobs": "user name is empty",
+            f"etcd://rank:rank-pw@{base}/elsewhere": "permission denied",
+        }
+        for url, why in refusals.items():
+            with pytest.raises(aiohixl.AuthenticationError, match=why) as info:
+                await init({"url": url, "job": "auth"}, 2, timeout=5)
+            assert "rank-pw" not in str(info.value)
+    finally:
+        server.remove()
+
+
+async def test_a_rank_leaving_right_after_a_barrier_does_not_hold_back_the_others(store):
+    """Once every rank entered, the barrier is over for all of them, even if one leaves at once."""
+    b, a = await asyncio.gather(init(store, 0, world_size=2), init(store, 1, "decode", world_size=2))
+    async with b:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: b.barrier(timeout=30))
+            await anyio.wait_all_tasks_blocked()  # b waits in the barrier; a completes it and leaves
+            async with a:
+                await a.barrier(timeout=30)
+
+
 async def test_a_second_live_process_claiming_a_rank_is_refused(store):
     worker = await Worker.start(store, "3:prefill,0:prefill")
     try:
@@ -262,7 +355,8 @@ async def test_get_remote_mem_of_nbytes_is_a_window_of_nbytes(store):
 
 
 async def test_an_unreachable_store_is_a_connect_timeout_naming_it(store):
-    url = f"tcp://127.0.0.1:{free_port()}" if store["kind"] == "tcp" else f"redis://127.0.0.1:{free_port()}/0"
+    url = {"tcp": "tcp://{}", "redis": "redis://{}/0", "etcd": "etcd://{}"}[store["kind"]]
+    url = url.format(f"127.0.0.1:{free_port()}")
     t0 = time.monotonic()
     with pytest.raises(aiohixl.ConnectTimeout, match=url):
         await aiohixl.init(1, "decode", url, token=TOKEN, timeout=1.0)
@@ -317,6 +411,10 @@ def test_bad_arguments_are_refused_before_anything_starts():
         asyncio.run(go(rank=0, token=TOKEN))
     with pytest.raises(aiohixl.InvalidArgument, match="not tcp://HOST:PORT"):
         asyncio.run(go(rank=0, store="http://x:1", token=TOKEN))
+    with pytest.raises(aiohixl.InvalidArgument, match="whole number of seconds"):
+        asyncio.run(go(rank=0, store="etcd://127.0.0.1:1?lease=1.5", token=TOKEN))
+    with pytest.raises(aiohixl.InvalidArgument, match="only option is lease"):
+        asyncio.run(go(rank=0, store="etcd://127.0.0.1:1/p?ttl=3", token=TOKEN))
     with pytest.raises(aiohixl.InvalidArgument, match="world_size 2"):
         asyncio.run(go(rank=2, world_size=2, store="tcp://127.0.0.1:1", token=TOKEN))
     with pytest.raises(aiohixl.InvalidArgument, match="rank="):

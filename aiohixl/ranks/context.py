@@ -381,7 +381,8 @@ async def init(
     Defaults: ``AIOHIXL_RANK``, ``AIOHIXL_GROUP`` (else "default"), ``AIOHIXL_STORE``,
     ``AIOHIXL_WORLD_SIZE``, ``AIOHIXL_TOKEN``, ``AIOHIXL_JOB`` (the namespace, else "default").
     ``store``: ``tcp://HOST:PORT`` (rank 0 serves it, unless a standalone store already
-    listens there) or ``redis://HOST:PORT/DB[?lease=SECONDS]``. ``listen``: where the agent
+    listens there), ``redis://HOST:PORT/DB[?lease=SECONDS]`` or
+    ``etcd://HOST:PORT[/PREFIX][?lease=SECONDS]``. ``listen``: where the agent
     listens (default: the interface that reaches the store, a free port). With ``world_size``,
     returns once that many ranks joined. ``agent_options`` go to ``Agent()``.
 
@@ -399,7 +400,9 @@ async def init(
     store = store or os.environ.get("AIOHIXL_STORE")
     namespace = namespace or os.environ.get("AIOHIXL_JOB") or "default"
     if not store:
-        raise InvalidArgument(f"{what}: give store= (tcp://HOST:PORT or redis://HOST:PORT/DB) or set AIOHIXL_STORE")
+        raise InvalidArgument(
+            f"{what}: give store= (tcp://HOST:PORT, redis://HOST:PORT/DB or etcd://HOST:PORT) or set AIOHIXL_STORE"
+        )
     if not 0 <= rank <= MAX_RANK:
         raise InvalidArgument(f"{what}: rank {rank} is out of range")
     if world_size is not None and not 0 <= rank < world_size:
@@ -461,6 +464,10 @@ async def _open_store(url: StoreURL, namespace: str, token: bytes, agent: Agent,
     if url.scheme == "tcp":
         me = c.Identity(agent.id, agent.name, agent.host_identity, [])
         return await TcpStore.connect(url, namespace, token, me, timeout)
+    if url.scheme == "etcd":
+        from .etcd import EtcdStore
+
+        return await EtcdStore.connect(url, namespace, token, timeout)
     from .redis import RedisStore
 
     return await RedisStore.connect(url, namespace, token, timeout)

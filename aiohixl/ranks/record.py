@@ -8,7 +8,7 @@ as they are. Nothing is pickled or JSON-decoded.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from .._control import wire as w
 from ..errors import InvalidArgument, ProtocolError
@@ -72,16 +72,18 @@ class RankRecord:
 
 @dataclass(frozen=True)
 class StoreURL:
-    """A parsed ``tcp://HOST:PORT`` or ``redis://[:PASSWORD@]HOST:PORT/DB[?lease=S]``."""
+    """A parsed ``tcp://HOST:PORT``, ``redis://[:PASSWORD@]HOST:PORT/DB[?lease=S]`` or
+    ``etcd://[USER:PASSWORD@]HOST:PORT[/PREFIX][?lease=S]``."""
 
     url: str  # as given, for messages (a password is masked)
     scheme: str
     host: str
     port: int
     db: int = 0
-    lease: float = 15.0  # redis: seconds an entry lives without a refresh
+    lease: float = 15.0  # redis, etcd: seconds an entry lives without a refresh
     username: str | None = None
     password: str | None = field(default=None, repr=False)
+    prefix: str = ""  # etcd: the keys' prefix
 
     def __str__(self) -> str:
         return self.url
@@ -94,16 +96,17 @@ def parse_store_url(url: str, what: str) -> StoreURL:
     except ValueError as exc:
         raise InvalidArgument(f"{what}: store URL {url!r}: {exc}") from None
     shown = url if parts.password is None else url.replace(f":{parts.password}@", ":***@", 1)
-    if parts.scheme not in ("tcp", "redis") or not parts.hostname:
-        raise InvalidArgument(f"{what}: store URL {shown!r} is not tcp://HOST:PORT or redis://HOST:PORT/DB")
+    if parts.scheme not in ("tcp", "redis", "etcd") or not parts.hostname:
+        raise InvalidArgument(
+            f"{what}: store URL {shown!r} is not tcp://HOST:PORT, redis://HOST:PORT/DB or etcd://HOST:PORT[/PREFIX]"
+        )
     if parts.scheme == "tcp":
         if port is None or parts.path not in ("", "/") or parts.query:
             raise InvalidArgument(f"{what}: store URL {shown!r}: give tcp://HOST:PORT")
         return StoreURL(shown, "tcp", parts.hostname, port)
-    db_text = parts.path.strip("/") or "0"
-    if not db_text.isdigit():
-        raise InvalidArgument(f"{what}: store URL {shown!r}: the database must be a number")
     query = parse_qs(parts.query)
+    if set(query) - {"lease"}:
+        raise InvalidArgument(f"{what}: store URL {shown!r}: the only option is lease=SECONDS")
     lease = 15.0
     if "lease" in query:
         try:
@@ -112,4 +115,15 @@ def parse_store_url(url: str, what: str) -> StoreURL:
             lease = -1.0
         if not 0.5 <= lease <= 3600:
             raise InvalidArgument(f"{what}: store URL {shown!r}: lease must be 0.5 to 3600 seconds")
+    if parts.scheme == "etcd":
+        # etcd grants whole seconds; below its floor (2 s with the default election timeout) it grants the floor
+        if lease != int(lease) or lease < 1:
+            raise InvalidArgument(f"{what}: store URL {shown!r}: an etcd lease is a whole number of seconds")
+        prefix = parts.path.strip("/") or "aiohixl"
+        return StoreURL(
+            shown, "etcd", parts.hostname, port or 2379, 0, lease, parts.username, parts.password, unquote(prefix)
+        )
+    db_text = parts.path.strip("/") or "0"
+    if not db_text.isdigit():
+        raise InvalidArgument(f"{what}: store URL {shown!r}: the database must be a number")
     return StoreURL(shown, "redis", parts.hostname, port or 6379, int(db_text), lease, parts.username, parts.password)

@@ -8,6 +8,7 @@ client; asyncio only). Keys of a job namespace NS, all under the hash tag
     aiohixl:{NS}:ranks       set   of R (an index; entries whose hash expired are pruned)
     aiohixl:{NS}:auth        HMAC-SHA256(token, "aiohixl-store:" NS), hex            PX lease
     aiohixl:{NS}:barrier:K:G set   of ranks that entered barrier K, generation G     PX 1 h
+    aiohixl:{NS}:barrier:K:G:done  "1" once a rank saw it complete                   PX 1 h
 
 Each live rank refreshes its entry every lease/3 seconds; a dead rank's entry
 expires within one lease. Claims, refreshes and removals are Lua scripts, so
@@ -211,20 +212,35 @@ class RedisStore(Store):
             await pipe.execute()
 
         await self._call("barrier", enter)
+        # The rank that sees the barrier complete marks it done: polls see only snapshots, and a
+        # rank leaving right after it was released must not leave the others short of a member.
+        done_key = f"{bkey}:done"
         arrived: set[int] = set()
+        done = False
 
         async def poll(waited: int) -> None:
+            nonlocal done
             await self._next_change(waited)
             try:
-                members = await self._call("barrier", self.client.smembers, bkey)
+                pipe = self.client.pipeline(transaction=False)
+                pipe.smembers(bkey)
+                pipe.exists(done_key)
+                members, done_count = await self._call("barrier", pipe.execute)
                 arrived.clear()
                 arrived.update(int(m) for m in members)
+                done = done or bool(done_count)
             except (StoreLost, ValueError):
                 pass
 
         await poll(0)
         waited = 0
-        while not barrier_complete(self.records, group, expected, arrived):
+        while not done:
+            if barrier_complete(self.records, group, expected, arrived):
+                try:
+                    await self._call("barrier", self.client.set, done_key, b"1", px=BARRIER_TTL_MS)
+                except StoreLost:
+                    pass  # the others see it complete themselves, unless one of us leaves first
+                return
             self.check(f"barrier {key}")
             waited += 1
             await poll(waited)

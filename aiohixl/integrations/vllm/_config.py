@@ -15,7 +15,7 @@ TRACE_ENV = "AIOHIXL_VLLM_TRACE"
 
 # Every key kv_connector_extra_config may hold, with its default (docs/vllm.md lists them).
 DEFAULTS: dict[str, Any] = {
-    "store": None,  # rank-store URL (tcp://HOST:PORT, redis://...); else $AIOHIXL_STORE
+    "store": None,  # rank-store URL (tcp://HOST:PORT, redis://..., etcd://...); else $AIOHIXL_STORE
     "token_env": "AIOHIXL_TOKEN",  # the environment variable holding the shared token
     "namespace": "vllm",  # the store namespace (job) the instances meet in
     "transports": "auto",  # "auto", or a list such as ["tcp"] to keep shared memory out

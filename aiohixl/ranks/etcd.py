@@ -1,0 +1,342 @@
+"""The etcd rendezvous store: ``etcd://[USER:PASSWORD@]HOST:PORT[/PREFIX][?lease=SECONDS]``.
+
+For clusters that already run etcd v3 (the ``etcd`` extra: aetcd, an asyncio
+gRPC client; asyncio only). Keys of a job namespace NS (``quote``d, so it holds
+no ``/``), under PREFIX (default ``aiohixl``; docs/ranks.md)::
+
+    PREFIX/NS/rank/R            fingerprint (32 bytes) + RankRecord bytes   the rank's lease
+    PREFIX/NS/barrier/K/G/R     empty: rank R entered barrier K, generation G the rank's lease
+
+Each rank grants one lease and keeps it alive every lease/3 seconds; a dead
+rank's keys go with its lease, within one lease. A watch on PREFIX/NS/ from
+the join's revision on keeps the mirror current (no polling), and barriers are
+decided on it event by event, in etcd's revision order, as the tcp server does.
+The fingerprint is HMAC-SHA256(token, "aiohixl-store:" NS): a joiner that finds
+another one in the namespace is refused. Values are never pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+from typing import Any
+from urllib.parse import quote, unquote
+
+import anyio
+import sniffio
+
+from ..errors import AuthenticationError, ConnectTimeout, HixlError, InvalidArgument, ProtocolError, StoreLost
+from .record import RankRecord, StoreURL
+from .store import Store, barrier_complete
+
+__all__ = ["EtcdStore"]
+
+# grpc's reconnect backoff starts at 1 s and grows to 2 min: a restarted etcd would be found late
+_CHANNEL = {
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 1000,
+    # finds a vanished host on a quiet connection; etcd refuses pings more often than every 5 s
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
+}
+FINGERPRINT = 32
+
+
+def _range_end(prefix: bytes) -> bytes:
+    """The end of etcd's key range holding exactly the keys that start with ``prefix``."""
+    end = bytearray(prefix)
+    while end and end[-1] == 0xFF:
+        end.pop()
+    end[-1] += 1
+    return bytes(end)
+
+
+class EtcdStore(Store):
+    """A rank's keys in etcd under a lease kept alive in the background; a watch feeds the mirror."""
+
+    def __init__(self, url: StoreURL, namespace: str, token: bytes, client: Any) -> None:
+        super().__init__(url, namespace)
+        self.client = client
+        self.root = f"{url.prefix}/{quote(namespace, safe='')}/".encode()
+        self.fingerprint = hmac.new(token, b"aiohixl-store:" + namespace.encode(), hashlib.sha256).digest()
+        self.ttl = url.lease  # what etcd granted, once it did
+        self.conflict_grace = url.lease + 1.0  # a dead holder's entry is gone within one lease
+        self.lease: Any = None
+        self._created = 0  # the create revision of our rank key: whether it is still ours
+        self._revision = 0  # the mirror holds every change up to this revision
+        self._arrived: dict[tuple[str, int], set[int]] = {}
+        self._waiting: dict[tuple[str, int], tuple[str, int]] = {}  # barriers we entered: group, expected
+        self._released: set[tuple[str, int]] = set()
+        self._last_ok = anyio.current_time()
+
+    @classmethod
+    async def connect(cls, url: StoreURL, namespace: str, token: bytes, timeout: float) -> EtcdStore:
+        what = f"store {url}"
+        if sniffio.current_async_library() != "asyncio":
+            raise InvalidArgument(f"{what}: the etcd store runs on asyncio only (use a tcp:// store under trio)")
+        try:
+            import aetcd
+            from aetcd.exceptions import UnauthenticatedError
+        except ImportError as exc:
+            raise InvalidArgument(f"{what}: needs aetcd (pip install 'aiohixl[etcd]'): {exc}") from None
+        call_timeout = max(2.0, url.lease / 3)
+        client = aetcd.Client(
+            url.host, url.port, username=url.username, password=url.password, timeout=call_timeout, options=_CHANNEL
+        )
+        store = cls(url, namespace, token, client)
+        deadline = anyio.current_time() + timeout
+        pause = 0.05
+        while True:
+            try:
+                with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
+                    await client.connect()  # authenticates, when credentials are given
+                    await client.get(store.root + b"rank/0")
+                store._last_ok = anyio.current_time()
+                return store
+            except (aetcd.ClientError, TimeoutError) as exc:
+                await client.close()
+                text = str(exc) or type(exc).__name__
+                if isinstance(exc, UnauthenticatedError) or _refusal(text):
+                    raise AuthenticationError(f"{what}: etcd refused the credentials: {text}") from None
+                if anyio.current_time() + pause >= deadline:
+                    raise ConnectTimeout(f"{what}: unreachable for {timeout} s (last: {text})") from None
+            await anyio.sleep(pause)
+            pause = min(pause * 2, 0.5)
+
+    # ---- keys ----
+
+    def _rank_key(self, rank: int) -> bytes:
+        return self.root + f"rank/{rank}".encode()
+
+    def _barrier_key(self, key: str, gen: int, rank: int) -> bytes:
+        return self.root + f"barrier/{quote(key, safe='')}/{gen}/{rank}".encode()
+
+    def _decode(self, value: bytes, what: str) -> RankRecord | None:
+        """The record in a rank key's value; None for one written with another token."""
+        if value[:FINGERPRINT] != self.fingerprint:
+            return None
+        return RankRecord.decode(value[FINGERPRINT:], what)
+
+    async def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        """One etcd call; after a whole lease without an answer the store counts as lost."""
+        import aetcd
+
+        try:
+            result = await fn(*args, **kw)
+        except aetcd.ClientError as exc:
+            self._no_answer(exc)
+            raise StoreLost(f"{what}: {self.label}: {exc or type(exc).__name__}") from None
+        self._last_ok = anyio.current_time()
+        return result
+
+    def _no_answer(self, exc: BaseException) -> None:
+        if anyio.current_time() - self._last_ok > self.ttl:
+            self.fail(f"no answer from etcd for {self.ttl:g} s (its lease): {exc or type(exc).__name__}")
+
+    # ---- what a store implements ----
+
+    async def _join(self, record: RankRecord) -> RankRecord | None:
+        tx = self.client.transactions
+        if self.lease is None:
+            self.lease = await self._call("grant a lease", self.client.lease, int(self.url.lease))
+            self.ttl = float(self.lease.ttl)
+            self.conflict_grace = self.ttl + 1.0
+        key = self._rank_key(record.rank)
+        ok, replies = await self._call(
+            f"join rank {record.rank}",
+            self.client.transaction,
+            compare=[tx.create(key) == 0],
+            success=[
+                tx.put(key, self.fingerprint + record.encode(), lease=self.lease),
+                tx.get(self.root, _range_end(self.root)),
+            ],
+            failure=[tx.get(key)],
+        )
+        if not ok:
+            value, _ = replies[0][0]
+            holder = self._decode(value, "etcd rank entry")
+            if holder is None:
+                raise AuthenticationError(
+                    f"{self.label}: rank {record.rank}'s entry was made with another token{_HINT}"
+                )
+            return holder
+        self._created = self._revision = replies[0].response_put.header.revision
+        records: dict[int, RankRecord] = {}
+        foreign = 0
+        for value, meta in replies[1]:
+            parts = bytes(meta.key)[len(self.root) :].split(b"/")
+            if parts[0] == b"rank":
+                rec = self._decode(value, "etcd rank entry")
+                if rec is None:
+                    foreign += 1
+                else:
+                    records[rec.rank] = rec
+            else:
+                self._apply_barrier(parts, True)
+        if foreign:
+            raise AuthenticationError(
+                f"{self.label}: {foreign} of the job's entries were made with another token{_HINT}"
+            )
+        self.records = records
+        self._backend.spawn(self._keep_lease, f"aiohixl-store-lease-{record.rank}")
+        self._backend.spawn(self._watch, f"aiohixl-store-watch-{record.rank}")
+        return None
+
+    async def _put_record(self, record: RankRecord) -> None:
+        tx = self.client.transactions
+        key = self._rank_key(record.rank)
+        ok, _ = await self._call(
+            f"publish rank {record.rank}",
+            self.client.transaction,
+            compare=[tx.create(key) == self._created],
+            success=[tx.put(key, self.fingerprint + record.encode(), lease=self.lease)],
+            failure=[],
+        )
+        if not ok:
+            self.fail(f"rank {record.rank}'s entry is gone from etcd (did this process stall past its lease?)")
+
+    async def _keep_lease(self) -> None:
+        """Refresh our lease every lease/3 s until closed; a lease etcd no longer has loses the store."""
+        try:
+            while not self.closed and self.broken is None:
+                await anyio.sleep(self.ttl / 3)
+                if self.closed or self.own is None:
+                    return
+                try:
+                    reply = await self._call("refresh the lease", self.client.refresh_lease, self.lease.id)
+                except StoreLost:
+                    continue  # said again by fail() once a whole lease passed without etcd
+                if reply is not None and reply.TTL > 0 and self.url.username is not None:
+                    # etcd's simple auth tokens lapse unused (--auth-token-ttl, 5 min) and neither the
+                    # lease stream nor the watch uses ours: a read now and then keeps it
+                    try:
+                        await self._call("refresh the auth token", self.client.get, self._rank_key(self.own.rank))
+                    except StoreLost:
+                        continue
+                if reply is None or reply.TTL <= 0:
+                    self.fail(
+                        f"rank {self.own.rank}'s lease ended in etcd (did this process stall past its lease,"
+                        " or etcd restart without its data?)"
+                    )
+        except Exception as exc:  # a background task must not raise
+            self.fail(f"refreshing the lease failed: {exc!r}")
+
+    async def _watch(self) -> None:
+        """Apply every change under the namespace to the mirror, resuming after the last revision seen."""
+        import aetcd
+
+        pause = 0.05
+        try:
+            while not self.closed and self.broken is None:
+                try:
+                    watch = await self.client.watch_prefix(self.root, start_revision=self._revision + 1)
+                    async for event in watch:
+                        self._last_ok = anyio.current_time()
+                        self._apply(event)
+                        pause = 0.05
+                except aetcd.RevisionCompactedError as exc:
+                    # what happened in between is gone from etcd: nothing to resume from
+                    self.fail(f"the watch fell behind etcd's compaction ({exc})")
+                except aetcd.ClientError as exc:
+                    self._no_answer(exc)
+                if self.closed or self.broken is not None:
+                    return
+                await anyio.sleep(pause)
+                pause = min(pause * 2, 1.0)
+        except Exception as exc:  # a background task must not raise
+            self.fail(f"watching etcd failed: {exc!r}")
+
+    def _apply(self, event: Any) -> None:
+        import aetcd
+
+        kv = event.kv
+        self._revision = max(self._revision, kv.mod_revision)
+        put = event.kind == aetcd.EventKind.PUT
+        parts = bytes(kv.key)[len(self.root) :].split(b"/")
+        try:
+            if parts[0] == b"rank" and len(parts) == 2:
+                self._apply_rank(int(parts[1]), bytes(kv.value) if put else None)
+            else:
+                self._apply_barrier(parts, put)
+        except (ValueError, ProtocolError) as exc:
+            self.fail(f"etcd holds a malformed entry {bytes(kv.key)!r}: {exc}")
+        # decided here, event by event: a rank leaving right after a barrier completed cannot undo it
+        for bk, (group, expected) in self._waiting.items():
+            if bk not in self._released and barrier_complete(
+                self.records, group, expected, self._arrived.get(bk, set())
+            ):
+                self._released.add(bk)
+        self._changed_now()
+
+    def _apply_rank(self, rank: int, value: bytes | None) -> None:
+        own = self.own
+        if value is None:
+            self.records.pop(rank, None)
+            if own is not None and rank == own.rank and not self.closed:
+                self.fail(f"rank {rank}'s entry was removed from etcd (its lease ended?)")
+            return
+        rec = self._decode(value, "etcd rank entry")
+        if rec is None or rec.rank != rank:
+            return  # another token's (refused at join), or misfiled
+        if own is not None and rank == own.rank and rec.agent_id == own.agent_id:
+            rec = own  # ours as we last published it: an older put may still be on its way
+        self.records[rank] = rec
+
+    def _apply_barrier(self, parts: list[bytes], put: bool) -> None:
+        if parts[0] != b"barrier" or len(parts) != 4:
+            return
+        bk = (unquote(parts[1].decode()), int(parts[2]))
+        arrived = self._arrived.setdefault(bk, set())
+        if put:
+            arrived.add(int(parts[3]))
+        else:
+            arrived.discard(int(parts[3]))
+            if not arrived:
+                del self._arrived[bk]
+
+    async def _next_change(self, waited: int) -> None:
+        await self._changed.wait()
+
+    async def _arrive(self, key: str, gen: int, group: str, expected: int) -> None:
+        assert self.own is not None
+        tx = self.client.transactions
+        bk = (key, gen)
+        self._waiting[bk] = (group, expected)
+        try:
+            ops = [tx.put(self._barrier_key(key, gen, self.own.rank), b"", lease=self.lease)]
+            if gen > 1:  # every rank of the last one was released at a revision before this one
+                ops.append(tx.delete(self._barrier_key(key, gen - 1, self.own.rank)))
+            await self._call(f"barrier {key}", self.client.transaction, compare=[], success=ops, failure=[])
+            done = await self.wait_for(f"barrier {key}", lambda: True if bk in self._released else None, math.inf)
+            assert done
+        finally:
+            self._waiting.pop(bk, None)
+            self._released.discard(bk)
+
+    def _barrier_detail(self, key: str, gen: int) -> str:
+        return f"; entered: ranks {sorted(self._arrived.get((key, gen), set()))}"
+
+    async def _leave(self) -> None:
+        if self.lease is not None:
+            try:
+                await self._call("leave", self.client.revoke_lease, self.lease.id)  # our keys go with it
+            except HixlError:
+                pass
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.client.close()  # ends the watch
+            except Exception:
+                pass
+
+
+_HINT = " (is AIOHIXL_TOKEN the agents' token?)"
+
+
+def _refusal(text: str) -> bool:
+    """Whether etcd's message is a refusal of the credentials (it says so as INVALID_ARGUMENT)."""
+    return any(s in text for s in ("authentication failed", "permission denied", "user name is empty"))
