@@ -18,7 +18,7 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py $(wildcard _native/* _native/*/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q -U pip setuptools
 	$(PY) -m pip install -q -e '.[test,lint]'
 ifeq ($(WITH_TORCH),1)
 	$(PY) -m pip install -q '$(TORCH_SPEC)' || echo "torch not installed: torch tests will skip"
