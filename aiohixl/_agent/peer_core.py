@@ -62,6 +62,8 @@ class PeerCore:
         self.remote_id = remote_id
         self.name = name
         self.info = info
+        # Why links[0] carries the ops: what each transport preferred to it could not do (connect()).
+        self.transport_reason = f"{links[0].name} (the agent itself)" if info is None else links[0].name
         self.closed = False
         self.broken: HixlError | None = None  # why the connection ended
         self.session: Session | None = None
