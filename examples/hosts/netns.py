@@ -81,7 +81,7 @@ class Host:
 
 
 class Hosts:
-    """``n`` hosts on one bridge; ``partition``/``heal`` cut links with nftables, ``cap`` shapes them with tbf."""
+    """``n`` hosts on one bridge; ``partition``/``heal`` cut links (nftables), ``cap`` slows them (tbf)."""
 
     def __init__(self, n: int) -> None:
         self.tag = f"hx{os.getpid()}x{next(_count)}"
@@ -137,36 +137,41 @@ class Hosts:
 
     # ---- faults ----
 
-    def partition(self, a: Host, b: Host, both_ways: bool = True) -> None:
-        """Drop packets from ``a`` to ``b`` (and back, ``both_ways``), in ``a``'s namespace: no reset, no error."""
-        rules = f"add rule inet hxpart out ip daddr {b.address} drop\n"
-        if both_ways:
-            rules += f"add rule inet hxpart in ip saddr {b.address} drop\n"
-        a.nft(
+    def partition(self, host: Host, other: str, both_ways: bool = True, inbound: bool = False) -> None:
+        """Drop, in ``host``'s namespace, what it sends to the address ``other`` (``inbound``: what
+        it receives from it instead; ``both_ways``: both). Silently: no reset, no error."""
+        rules = []
+        if both_ways or not inbound:
+            rules.append(f"add rule inet hxpart out ip daddr {other} drop")
+        if both_ways or inbound:
+            rules.append(f"add rule inet hxpart in ip saddr {other} drop")
+        host.nft(
             "add table inet hxpart\n"
             "add chain inet hxpart in { type filter hook input priority 0; }\n"
-            "add chain inet hxpart out { type filter hook output priority 0; }\n" + rules
+            "add chain inet hxpart out { type filter hook output priority 0; }\n" + "\n".join(rules) + "\n"
         )
 
-    def heal(self, a: Host) -> None:
-        a.run(["nft", "delete", "table", "inet", "hxpart"], check=False)
+    def heal(self, host: Host) -> None:
+        host.run(["nft", "delete", "table", "inet", "hxpart"], check=False)
 
     @contextlib.contextmanager
-    def partitioned(self, a: Host, b: Host, both_ways: bool = True) -> Iterator[None]:
-        self.partition(a, b, both_ways)
+    def partitioned(self, host: Host, other: str, both_ways: bool = True, inbound: bool = False) -> Iterator[None]:
+        self.partition(host, other, both_ways, inbound)
         try:
             yield
         finally:
-            self.heal(a)
+            self.heal(host)
 
     def cap(self, rate: str | None) -> None:
-        """Every host's eth0 sends at most ``rate`` (tc's spelling: "1gbit", "200mbit"); None: uncapped."""
-        for h in self.hosts:
-            h.run(["tc", "qdisc", "del", "dev", "eth0", "root"], check=False)
+        """What reaches each host (and this process) arrives at most at ``rate`` (tc's spelling:
+        "1gbit", "200mbit"); None: uncapped. A tbf on each port of the bridge, towards its host."""
+        ports = [f"p{i}" for i in range(len(self.hosts))] + ["gw"]
+        for port in ports:
+            ip("netns", "exec", self.switch, "tc", "qdisc", "del", "dev", port, "root", check=False)
             if rate is not None:
-                # A burst of 1 ms at the rate (and at least 64 KiB): tbf's own advice, HZ-independent.
+                # A burst of 1 ms at the rate (at least 64 KiB), so it holds whatever the kernel's HZ.
                 tbf = ["tbf", "rate", rate, "burst", _burst(rate), "latency", "50ms"]
-                h.run(["tc", "qdisc", "add", "dev", "eth0", "root", *tbf])
+                ip("netns", "exec", self.switch, "tc", "qdisc", "add", "dev", port, "root", *tbf)
 
 
 def _burst(rate: str) -> str:
