@@ -87,8 +87,8 @@ async def connect(
     channel = next(link for link in links if link.is_channel)
     if channel is links[-1] and len(links) > 1 and channel.name not in wanted:
         links.pop()  # a channel only, not a path for data
-    peer = PeerCore(agent, links, info.agent_id, info.name, info=info, channel=channel)
-    peer.transport_reason = transport_reason(links[0].name, dial.refused)
+    reason = transport_reason(links[0].name, dial.refused)
+    peer = PeerCore(agent, links, info.agent_id, info.name, info=info, channel=channel, transport_reason=reason)
     agent.peers.add(peer)
     peer.start_session(ch)
     return peer
