@@ -3,6 +3,7 @@
 #                an aiohttp prefill server, a FastAPI decode server, layer-wise KV push vs baselines
 # make example   run examples/quickstart.py
 # make test-vllm the vLLM tier (tests/vllm): vLLM's CPU build in build/venv-vllm, real api_server pairs
+# make test-hosts the hosts tier (tests/hosts, root): network namespaces as hosts, partitions, the PD demo across them
 # make lint      ruff (lint + format), mypy, clang-format: all must be clean
 # WITH_TORCH=1   also install torch (CPU) so the torch tests run instead of skipping
 PYTHON ?= python3
@@ -90,3 +91,10 @@ VLLM_VENV ?= build/venv-vllm
 test-vllm:
 	tests/vllm/setup_venv.sh $(VLLM_VENV)
 	AIOHIXL_TEST_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -v --timeout=2400 tests/vllm $(PYTEST_ARGS)
+
+# The hosts tier: agents on network namespaces joined by veth pairs (examples/hosts/netns.py), made
+# and removed by the tests: tcp between them, partitions (nft), the PD demo across three. Root.
+.PHONY: test-hosts
+test-hosts: venv
+	@command -v nft >/dev/null || { echo "nft missing: apt-get install nftables"; exit 1; }
+	AIOHIXL_TEST_HOSTS=1 $(PY) -m pytest -q -p no:cacheprovider -v tests/hosts $(PYTEST_ARGS)

@@ -40,7 +40,8 @@ class Peer(metaclass=NoPublicConstructor):
 
     Ops on one peer are started in the order they are called and, over tcp,
     executed by the target in that order; each awaitable finishes only once
-    its bytes are in the destination. ``transport`` says which path ops take.
+    its bytes are in the destination. ``transport`` says which path ops take,
+    ``transport_reason`` why: what each transport preferred to it could not do.
     Peers come from ``Agent.connect()`` and ``Agent.loopback()``.
     """
 
@@ -52,6 +53,7 @@ class Peer(metaclass=NoPublicConstructor):
         self._engine = core.engine
         self.remote_id = core.remote_id
         self.transport = core.links[0].name
+        self.transport_reason = core.transport_reason
         self.name = core.name
         self.info = core.info
         # The core's own objects (never rebound), read here on every op.

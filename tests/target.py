@@ -103,6 +103,7 @@ async def main() -> None:
                 await asyncio.gather(
                     *(peer.put(remote[i * size : (i + 1) * size], src[i * size : (i + 1) * size]) for i in range(count))
                 )
+                out.update(transport=peer.transport, reason=peer.transport_reason)
                 await peer.aclose()
             elif op == "notify":
                 # The next RDMA WRITE WITH IMM that lands here.

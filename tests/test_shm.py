@@ -45,7 +45,7 @@ async def pair():
 @pytest.mark.asyncio(loop_scope="module")
 async def test_paths_are_chosen_and_reported(pair):
     peer, r = pair["peer"], pair["r"]
-    assert peer.transport == "shm"
+    assert peer.transport == "shm" and peer.transport_reason == "shm (the first choice)"
     assert await peer.path(r["memfd"]) == "shm-memfd"
     assert await peer.path(r["user"]) == "shm-cma"
 
@@ -109,7 +109,8 @@ async def test_forced_tcp_per_agent_and_per_connection():
             await peer.put(kv, agent.register(pattern(1 << 20, 1)))
         async with aiohixl.Agent(token=TOKEN) as agent:
             peer = await agent.connect(target.address, transports=("tcp",))
-            assert peer.transport == "tcp"
+            assert peer.transport == "tcp" and "shm: not allowed" in peer.transport_reason, peer.transport_reason
+            assert agent.loopback().transport_reason == "loopback (the agent itself)"
             await peer.put(await peer.region("kv"), agent.register(pattern(1 << 20, 2)))
         assert await target.hash("kv", 0, 1 << 20) == sha(pattern(1 << 20, 2))
     finally:

@@ -43,13 +43,19 @@ async def connect(
             ch = c.Channel(await c.connect_tcp(host, port, what))
             info = await c.client_handshake(ch, key, w.ROLE_CONTROL, bytes(16), me, what)
             assert info is not None
-            usable = [t for n, t in agent.transports.items() if n in wanted and t.usable_with(info)]
+            dial = tr.Dial(agent, me, info, host, port, key, ch, what)
+            usable = []
+            for n, t in agent.transports.items():
+                why_not = t.why_not(info) if n in wanted else "not allowed"
+                if why_not is None:
+                    usable.append(t)
+                else:
+                    dial.refused[n] = why_not
             if not usable:
                 why = "".join(f" ({n} here: {why})" for n, why in agent.unavailable.items() if n in wanted)
                 raise InvalidArgument(
                     f"{what}: no transport in common: we allow {wanted}{why}, the peer offers {info.transports}"
                 )
-            dial = tr.Dial(agent, me, info, host, port, key, ch, what)
             for transport in usable:
                 link = await transport.dial(dial)
                 if link is not None:
@@ -81,10 +87,17 @@ async def connect(
     channel = next(link for link in links if link.is_channel)
     if channel is links[-1] and len(links) > 1 and channel.name not in wanted:
         links.pop()  # a channel only, not a path for data
-    peer = PeerCore(agent, links, info.agent_id, info.name, info=info, channel=channel)
+    reason = transport_reason(links[0].name, dial.refused)
+    peer = PeerCore(agent, links, info.agent_id, info.name, info=info, channel=channel, transport_reason=reason)
     agent.peers.add(peer)
     peer.start_session(ch)
     return peer
+
+
+def transport_reason(chosen: str, refused: dict[str, str]) -> str:
+    """Why ``chosen`` carries a peer's ops: what each transport preferred to it could not do."""
+    passed = [f"{n}: {refused[n]}" for n in tr.NAMES[: tr.NAMES.index(chosen)] if n in refused and n != "loopback"]
+    return f"{chosen} ({'; '.join(passed) if passed else 'the first choice'})"
 
 
 def transport_names(transports: str | tuple[str, ...], what: str) -> tuple[str, ...]:

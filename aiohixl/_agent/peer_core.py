@@ -47,6 +47,7 @@ class PeerCore:
         name: str | None,
         info: c.PeerInfo | None = None,
         channel: Link | None = None,
+        transport_reason: str | None = None,
     ) -> None:
         self.agent = agent
         self.engine = agent.engine
@@ -62,6 +63,8 @@ class PeerCore:
         self.remote_id = remote_id
         self.name = name
         self.info = info
+        # Why links[0] carries the ops: what each transport preferred to it could not do (connect()).
+        self.transport_reason = transport_reason or f"{links[0].name} (the agent itself)"
         self.closed = False
         self.broken: HixlError | None = None  # why the connection ended
         self.session: Session | None = None

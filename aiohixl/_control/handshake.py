@@ -157,6 +157,25 @@ class HostIdentity:
     def same_namespaces(self, other: HostIdentity) -> bool:
         return self.same_host(other) and self.ns == other.ns and "?" not in self.ns
 
+    def _namespace(self, kind: str) -> str:
+        return next((n for n in self.ns.split(",") if n.startswith(f"{kind}:")), f"{kind}:?")
+
+    def why_not_shared_memory(self, other: HostIdentity) -> str | None:
+        """Why an agent with ``other`` cannot share memory with this one; None when it can.
+
+        Same machine id and kernel boot is not enough: the memfd socket is an abstract unix
+        socket, which only reaches agents in the same network namespace (containers and
+        ``ip netns`` hosts on one kernel each have their own).
+        """
+        if self.host != other.host:
+            return f"another host ({other.host.partition('/')[0] or '?'})"
+        if self.boot != other.boot or not self.boot:
+            return "another kernel boot (same machine id: a VM image or a container's copy)"
+        mine, theirs = self._namespace("net"), other._namespace("net")
+        if mine != theirs or "?" in mine:
+            return f"another network namespace ({theirs}, here {mine}): no shared unix sockets"
+        return None
+
 
 @dataclass
 class PeerInfo:

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 from .. import __version__
+from .._control.handshake import HostIdentity
 from .._files import read_text
 
 _IB_SYSFS = "/sys/class/infiniband"
@@ -47,7 +48,7 @@ def _shm_status() -> TransportStatus:
         "0": "cross-memory attach allowed (ptrace_scope 0)",
         "1": "cross-memory attach only to descendants (ptrace_scope 1): user memory goes over tcp",
     }.get(scope, f"cross-memory attach restricted (ptrace_scope {scope}): user memory goes over tcp")
-    return TransportStatus("shm", True, f"same host: memfd regions mapped; {cma}")
+    return TransportStatus("shm", True, f"same host and network namespace: memfd regions mapped; {cma}")
 
 
 def _verbs_status() -> TransportStatus:
@@ -85,6 +86,14 @@ def render() -> str:
     for t in transports():
         mark = "yes" if t.available else "no "
         lines.append(f"  {t.name:<9} {mark}  {t.detail}")
+    me = HostIdentity.local()
+    lines += [
+        "",
+        "this host (agents share memory only with the same host, boot and network namespace; else tcp):",
+        f"  host       {me.host}",
+        f"  boot       {me.boot or '?'}",
+        f"  namespaces {me.ns}",
+    ]
     lines += ["", "RDMA devices:"]
     devices = rdma_devices()
     if not devices:

@@ -15,7 +15,7 @@ Neither ever sees an Agent or a Peer: they get the views below.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from .._control.handshake import Channel, HostIdentity, Identity, PeerInfo
@@ -87,6 +87,8 @@ class Dial:
     key: bytes
     control: Channel  # before the session starts: a transport may trade set-up frames on it
     what: str
+    # Why a transport's dial() made no link, by its name (for Peer.transport_reason).
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 class Transport:
@@ -149,15 +151,20 @@ class Transport:
 
     # ---- the initiator's side ----
 
-    def usable_with(self, info: PeerInfo) -> bool:
-        return self.unavailable is None and self.name in info.transports
+    def why_not(self, info: PeerInfo) -> str | None:
+        """Why this transport cannot reach the peer ``info`` describes; None when it may."""
+        if self.unavailable is not None:
+            return f"not here: {self.unavailable}"
+        if self.name not in info.transports:
+            return "the peer does not offer it"
+        return None
 
     def self_link(self) -> Link | None:
         """A link from this agent to itself, if this transport makes those."""
         return None
 
     async def dial(self, dial: Dial) -> Link | None:
-        """A link to the peer being connected, or None (and a log line) if this transport can't."""
+        """A link to the peer being connected, or None (a log line, and why in ``dial.refused``)."""
         return None
 
 

@@ -20,8 +20,8 @@ class LoopbackTransport(Transport):
     rank = 0
     always = True
 
-    def usable_with(self, info: PeerInfo) -> bool:
-        return False  # never to another agent
+    def why_not(self, info: PeerInfo) -> str | None:
+        return "only within one agent"
 
     def self_link(self) -> LoopbackLink:
         status = ffi.new("int *")

@@ -129,11 +129,11 @@ class ShmTransport(Transport):
         me.probe = int(ffi.cast("uintptr_t", self._probe))
         me.shm_socket = self.socket_name
 
-    def usable_with(self, info: PeerInfo) -> bool:
-        return super().usable_with(info) and self.agent.host_identity.same_host(info.host)
+    def why_not(self, info: PeerInfo) -> str | None:
+        return super().why_not(info) or self.agent.host_identity.why_not_shared_memory(info.host)
 
     def acknowledges_withdrawal(self, info: PeerInfo) -> bool:
-        return self.agent.host_identity.same_host(info.host)
+        return self.agent.host_identity.why_not_shared_memory(info.host) is None
 
     # ---- the listener's side: memfds for authenticated same-host peers ----
 
@@ -241,7 +241,8 @@ class ShmTransport(Transport):
         else:
             reasons.append("the peer shares no memfds")
         if not cma and uds is None:
-            c.log.warning("aiohixl %s: same host, but no shared memory path (%s)", what, "; ".join(reasons))
+            dial.refused[self.name] = "; ".join(reasons)
+            c.log.warning("aiohixl %s: same host, but no shared memory path (%s)", what, dial.refused[self.name])
             return None
         status = ffi.new("int *")
         handle = lib.hx_shm_new(self.agent.engine.native, info.pid if cma else 0, status)

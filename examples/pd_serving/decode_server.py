@@ -237,7 +237,7 @@ def make_app(server: DecodeServer) -> FastAPI:
 
 async def main(args: argparse.Namespace) -> None:
     token()
-    ctx = await aiohixl.init(rank=args.rank, group="decode", store=args.store)
+    ctx = await aiohixl.init(rank=args.rank, group="decode", store=args.store, listen=args.listen or f"{args.host}:0")
     async with ctx:
         server = DecodeServer(ctx, args.blocks, args.reserve_timeout)
         sock = socket.socket()
@@ -261,8 +261,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--store", required=True, help="tcp://HOST:PORT of the rendezvous store (rank 0 serves it)")
     ap.add_argument("--rank", type=int, default=1)
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1", help="the HTTP server's address")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--listen", help="HOST:PORT of the aiohixl agent (default: --host, a free port)")
     ap.add_argument("--blocks", type=int, default=512, help="blocks of 16 tokens in the KV pool")
     ap.add_argument("--reserve-timeout", type=float, default=120.0)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

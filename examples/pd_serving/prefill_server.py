@@ -319,7 +319,8 @@ def make_app(server: PrefillServer) -> web.Application:
 async def main(args: argparse.Namespace) -> None:
     token()
     transports = "auto" if args.transports == "auto" else tuple(args.transports.split(","))
-    ctx = await aiohixl.init(rank=args.rank, group="prefill", store=args.store, transports=transports)
+    listen = args.listen or f"{args.host}:0"
+    ctx = await aiohixl.init(rank=args.rank, group="prefill", store=args.store, listen=listen, transports=transports)
     async with ctx:
         server = PrefillServer(ctx, args.max_tokens, args.slots, args.discover_timeout)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
@@ -343,8 +344,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--store", required=True, help="tcp://HOST:PORT: served here when rank is 0 (embedded store)")
     ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1", help="the HTTP server's address")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--listen", help="HOST:PORT of the aiohixl agent (default: --host, a free port)")
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--slots", type=int, default=3, help="requests staged at once")
     ap.add_argument("--transports", default="auto", help='"auto" (shm on one host) or e.g. "tcp"')

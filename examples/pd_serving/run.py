@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +39,35 @@ sys.path.insert(0, str(HERE))
 from common import MODES, free_port, token  # noqa: E402
 
 
+@dataclass
+class Place:
+    """Where a server runs: a command its own runs under (``ip netns exec NS``: another host,
+    tests/hosts) and the address it serves HTTP on, which its aiohixl agent listens on too."""
+
+    prefix: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+
+
 class Cluster:
-    """The two servers as child processes; ``restart_decode`` after ``kill_decode``."""
+    """The two servers as child processes; ``restart_decode`` after ``kill_decode``.
+
+    ``store``: a rendezvous store already running (else the prefill server, rank 0, serves one on
+    127.0.0.1); ``places``: where "prefill" and "decode" run (else here, on 127.0.0.1).
+    """
 
     def __init__(
-        self, blocks: int = 512, max_tokens: int = 2048, log_dir: Path | None = None, transports: str = "auto"
+        self,
+        blocks: int = 512,
+        max_tokens: int = 2048,
+        log_dir: Path | None = None,
+        transports: str = "auto",
+        store: str | None = None,
+        places: dict[str, Place] | None = None,
     ) -> None:
         self.transports = transports
         token()  # AIOHIXL_TOKEN for both children
-        self.store = f"tcp://127.0.0.1:{free_port()}"
+        self.store = store or f"tcp://127.0.0.1:{free_port()}"
+        self.places = places or {}
         self.blocks, self.max_tokens = blocks, max_tokens
         self.log_dir = log_dir
         self.prefill: subprocess.Popen | None = None
@@ -54,9 +75,11 @@ class Cluster:
         self.prefill_url = self.decode_url = ""
 
     def _start(self, script: str, *args: str) -> tuple[subprocess.Popen, str]:
+        role = Path(script).stem.split("_")[0]
+        place = self.places.get(role, Place())
         err = open(self.log_dir / f"{Path(script).stem}.log", "a") if self.log_dir else subprocess.DEVNULL  # noqa: SIM115
         proc = subprocess.Popen(
-            [sys.executable, str(HERE / script), "--store", self.store, *args],
+            [*place.prefix, sys.executable, str(HERE / script), "--store", self.store, "--host", place.host, *args],
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
