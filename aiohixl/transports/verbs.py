@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._control import handshake as c
 from .._control import wire as w
@@ -26,6 +26,9 @@ from ..errors import InvalidArgument, ProtocolError
 from ..memory import Region
 from .base import AgentView, ControlView, Dial, Handler, Link, Pair, SessionView, Transport
 from .tcp import session_key
+
+if TYPE_CHECKING:
+    from ..rc import RcExport
 
 KEY_RKEY = 1  # descriptor key: the verbs rkey of the region (u32 little endian)
 _CHAIN = 128  # pairs per work-request chain; the send queue holds 512 WRs
@@ -121,6 +124,7 @@ class VerbsTransport(Transport):
         )
         self.device: RdmaChoice | None = None
         self._rkeys: dict[int, int] = {}
+        self.exports: dict[int, set[RcExport]] = {}  # by region id: closed with their region
         self.unavailable = "not opened yet"
 
     def open(self) -> None:
@@ -158,6 +162,8 @@ class VerbsTransport(Transport):
 
     def region_removed(self, region: Region) -> None:
         self._rkeys.pop(region.id, None)
+        for export in list(self.exports.pop(region.id, ())):
+            export.close()  # before its memory goes: the raw peer's NIC can reach it no more
 
     def descriptor_keys(self, region: Region) -> dict[int, bytes]:
         rkey = self._rkeys.get(region.id)
