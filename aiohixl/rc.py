@@ -161,13 +161,14 @@ class RcExport:
         verbs.exports.setdefault(region.id, set()).add(self)
 
     def info(self) -> dict[str, Any]:
-        """What the raw peer needs: {gid, qpn, psn, lid, mtu, addr, rkey, length, access}."""
+        """What the raw peer needs: {gid, qpn, psn, lid, mtu, addr, rkey, length, access ("rw", "r", "w")}."""
         return {
             **asdict(self.endpoint),
             "addr": self.addr,
             "rkey": self.rkey,
             "length": self.length,
-            "access": self.access.name.lower() if self.access.name else "",
+            "access": ("r" if self.access & Access.REMOTE_READ else "")
+            + ("w" if self.access & Access.REMOTE_WRITE else ""),
         }
 
     def to_json(self) -> str:
