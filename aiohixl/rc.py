@@ -16,17 +16,18 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
 from ._loop.native import ffi, lib, status_error
 from .descriptor import RegionInfo
 from .errors import AccessDenied, ClosedError, ConnectionLost, HixlError, InvalidArgument, LengthMismatch
 from .memory import Access, Region, RegionSlice, parse_access
 from .remote import RemoteRegion, RemoteSlice
+from .transports.verbs import VerbsLink, VerbsTransport
 
-if TYPE_CHECKING:
-    from ._agent.core import AgentCore
-    from .transports.verbs import VerbsLink, VerbsTransport
+# ``core`` below is the agent's AgentCore, typed Any: importing it would close a cycle
+# (the core imports the transports, whose verbs module this one uses).
+AgentCore = Any
 
 __all__ = ["RcEndpoint", "RcExport", "RcPeer"]
 
@@ -111,10 +112,10 @@ def _local_end(verbs: VerbsTransport, qpn: int, psn: int) -> RcEndpoint:
 def _verbs(core: AgentCore, what: str) -> VerbsTransport:
     core.check_open(what)
     verbs = core.transports.get("verbs")
-    if verbs is None or verbs.device is None:  # type: ignore[attr-defined]
-        why = "not among this agent's transports" if verbs is None else verbs.unavailable  # type: ignore[attr-defined]
+    if not isinstance(verbs, VerbsTransport) or verbs.device is None:
+        why = "not among this agent's transports" if verbs is None else verbs.unavailable
         raise InvalidArgument(f"{what}: needs the verbs transport, which is unavailable: {why}")
-    return verbs  # type: ignore[return-value]
+    return verbs
 
 
 class RcExport:
@@ -225,8 +226,6 @@ class RcPeer:
     def __init__(self, core: AgentCore) -> None:
         what = "Agent.rc_peer"
         verbs = _verbs(core, what)
-        from .transports.verbs import VerbsLink
-
         qpn, psn, status = ffi.new("uint32_t *"), ffi.new("uint32_t *"), ffi.new("int *")
         handle = lib.hx_verbs_raw_peer_new(core.engine.native, qpn, psn, status)
         if handle == ffi.NULL:

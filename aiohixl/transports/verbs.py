@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .._control import handshake as c
 from .._control import wire as w
@@ -26,9 +26,6 @@ from ..errors import InvalidArgument, ProtocolError
 from ..memory import Region
 from .base import AgentView, ControlView, Dial, Handler, Link, Pair, SessionView, Transport
 from .tcp import session_key
-
-if TYPE_CHECKING:
-    from ..rc import RcExport
 
 KEY_RKEY = 1  # descriptor key: the verbs rkey of the region (u32 little endian)
 _CHAIN = 128  # pairs per work-request chain; the send queue holds 512 WRs
@@ -41,6 +38,12 @@ def qp_info(wr: w.Writer, qpn: int, psn: int, gid: bytes, lid: int, mtu: int) ->
 
 def read_qp_info(r: w.Reader) -> tuple[int, int, bytes, int, int]:
     return r.u32(), r.u32(), r.raw(16), r.u16(), r.u8()
+
+
+class Export(Protocol):
+    """A range exported to a raw RC peer (aiohixl.rc.RcExport)."""
+
+    def close(self) -> None: ...
 
 
 def _error() -> str:
@@ -124,7 +127,7 @@ class VerbsTransport(Transport):
         )
         self.device: RdmaChoice | None = None
         self._rkeys: dict[int, int] = {}
-        self.exports: dict[int, set[RcExport]] = {}  # by region id: closed with their region
+        self.exports: dict[int, set[Export]] = {}  # by region id: closed with their region
         self.unavailable = "not opened yet"
 
     def open(self) -> None:
