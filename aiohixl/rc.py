@@ -314,13 +314,14 @@ class RcPeer:
             raise ConnectionLost(f"{what}: {self.broken}")
 
     async def aclose(self) -> None:
-        """Close the queue pair once the ops in flight have ended."""
+        """Close the queue pair: ops still queued fail with ClosedError, those moving bytes end first."""
         if self.closed:
             return
         self.closed = True
         core = self._core
         if core.closed:
             return  # the agent freed its queue pairs, this one too
+        self._link.close()
         engine = self._engine
         backend = engine.attach("RcPeer.aclose")
         waiter = backend.new_waiter()
