@@ -180,6 +180,17 @@ int hx_verbs_accept(hx_agent *a, uint64_t session, uint32_t qpn, uint32_t psn, c
                     uint16_t lid, int mtu, uint32_t *lqpn, uint32_t *lpsn);
 void hx_verbs_drop_session(hx_agent *a, uint64_t session);
 int hx_verbs_post_imm(hx_peer *p, uint64_t op_id, const hx_sge *sges, uint32_t n, uint32_t imm);
+/* Raw RC peers (not aiohixl). export_new: a target QP, in a PD of its own, with
+ * one MR over [off, off+len) of region granting access (HX_ACCESS_*) and no
+ * more; gives the QP's number and PSN and the MR's address and rkey; the QP
+ * is dropped with hx_verbs_drop_session(session). export_connect: to RTS
+ * toward the raw peer's QP, receives posted. raw_peer_new: an initiator QP
+ * that grants its remote end nothing; connected by hx_verbs_peer_connect. */
+int hx_verbs_export_new(hx_agent *a, uint64_t session, uint32_t region, uint64_t off, uint64_t len,
+                        uint32_t access, uint32_t *qpn, uint32_t *psn, uint64_t *addr, uint32_t *rkey);
+int hx_verbs_export_connect(hx_agent *a, uint64_t session, uint32_t qpn, uint32_t psn, const uint8_t *gid,
+                            uint16_t lid, int mtu);
+hx_peer *hx_verbs_raw_peer_new(hx_agent *a, uint32_t *qpn, uint32_t *psn, int *status);
 
 /* Faults every page in (and asks for huge pages) so later copies do not pay
  * page faults: the kernel's bulk populate over up to `threads` threads, else

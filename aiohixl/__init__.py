@@ -28,6 +28,7 @@ from .errors import (
 from .memory import Access, Region, RegionSlice
 from .notifications import Notification
 from .peer import Peer
+from .rc import RcEndpoint, RcExport, RcPeer
 from .ranks import Context, get, get_remote_mem, init, put
 from .remote import RemoteRegion, RemoteSlice
 
@@ -41,6 +42,9 @@ __all__ = [
     "RemoteRegion",
     "RemoteSlice",
     "Peer",
+    "RcEndpoint",
+    "RcExport",
+    "RcPeer",
     "HixlError",
     "InvalidArgument",
     "UnsupportedMemory",

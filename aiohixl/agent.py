@@ -12,9 +12,10 @@ from ._agent.connect import connect, transport_names
 from ._agent.core import AgentCore
 from ._control import handshake as c
 from .errors import ClosedError, InvalidArgument
-from .memory import Access, Region
+from .memory import Access, Region, RegionSlice, parse_access
 from .notifications import Notification
 from .peer import Peer
+from .rc import RcExport, RcPeer
 
 __all__ = ["Agent"]
 
@@ -314,6 +315,25 @@ class Agent:
         host, port = c.parse_address(address, what)
         wanted = self.transports if transports is None else transport_names(tuple(transports), what)
         return Peer.construct(self, await connect(self._core, host, port, key, timeout, wanted, what))
+
+    def export_rc(self, target: Region | RegionSlice, *, access: Access | str, label: str = "rc") -> RcExport:
+        """Export ``target`` (a region or a slice of one) to one RC peer that is not aiohixl
+        (docs/rdma.md, "Raw RC peers"): its own queue pair and memory registration, covering
+        exactly that range with exactly ``access`` (a part of the region's rights). Give the
+        peer ``export.info()`` (JSON); ``export.connect()`` its {gid, qpn, psn}. Verbs only."""
+        what = "Agent.export_rc"
+        self._core.engine.check_loop(what)
+        rights = parse_access(access, what)
+        if rights is None:
+            raise InvalidArgument(f"{what}: access= is required")
+        return RcExport(self._core, target, rights, label)
+
+    def rc_peer(self) -> RcPeer:
+        """A queue pair toward an RC program that is not aiohixl: give it ``rc.endpoint``,
+        ``rc.connect()`` its {gid, qpn, psn}, then put into / get from the ranges it registered
+        (``rc.region({addr, rkey, length})``). Verbs only."""
+        self._core.engine.check_loop("Agent.rc_peer")
+        return RcPeer(self._core)
 
     def __repr__(self) -> str:
         core = getattr(self, "_core", None)

@@ -9,7 +9,9 @@
 #include <time.h>
 #include <unistd.h>
 
-static struct ibv_qp *create_qp(hx_verbs *v)
+#define AIOHIXL_QP_ACCESS (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_LOCAL_WRITE)
+
+struct ibv_qp *vb_create_qp(hx_verbs *v, struct ibv_pd *pd, int access)
 {
     struct ibv_qp_init_attr ia = {
         .send_cq = v->cq,
@@ -18,7 +20,7 @@ static struct ibv_qp *create_qp(hx_verbs *v)
         .sq_sig_all = 0,
         .cap = {.max_send_wr = SQ_DEPTH, .max_recv_wr = RQ_DEPTH, .max_send_sge = 1, .max_recv_sge = 1},
     };
-    struct ibv_qp *qp = v->api.create_qp(v->pd, &ia);
+    struct ibv_qp *qp = v->api.create_qp(pd, &ia);
     if (!qp) {
         VB_FAIL("ibv_create_qp failed: %s", strerror(errno));
         return NULL;
@@ -26,8 +28,7 @@ static struct ibv_qp *create_qp(hx_verbs *v)
     struct ibv_qp_attr at = {.qp_state = IBV_QPS_INIT,
                              .port_num = (uint8_t)v->port,
                              .pkey_index = 0,
-                             .qp_access_flags =
-                                 IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_LOCAL_WRITE};
+                             .qp_access_flags = (unsigned)access};
     if (v->api.modify_qp(qp, &at, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)) {
         VB_FAIL("QP to INIT failed: %s", strerror(errno));
         v->api.destroy_qp(qp);
@@ -36,8 +37,8 @@ static struct ibv_qp *create_qp(hx_verbs *v)
     return qp;
 }
 
-static int connect_qp(hx_verbs *v, struct ibv_qp *qp, uint32_t rqpn, uint32_t rpsn, uint32_t lpsn,
-                      const uint8_t *gid, uint16_t lid, int mtu)
+int vb_connect_qp(hx_verbs *v, struct ibv_qp *qp, uint32_t rqpn, uint32_t rpsn, uint32_t lpsn,
+                  const uint8_t *gid, uint16_t lid, int mtu)
 {
     struct ibv_qp_attr at = {0};
     at.qp_state = IBV_QPS_RTR;
@@ -85,7 +86,7 @@ void vb_qp_to_error(hx_verbs *v, vqp *q)
     v->api.modify_qp(q->qp, &at, IBV_QP_STATE);
 }
 
-static uint32_t random_psn(void)
+uint32_t vb_random_psn(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -101,12 +102,12 @@ int vb_post_recv(vqp *q, uint32_t slot)
     return ibv_post_recv(q->qp, &wr, &bad) ? -1 : 0;
 }
 
-/* The target's receive buffers, each posted. */
-static int post_receives(hx_verbs *v, vqp *q)
+int vb_post_receives(hx_verbs *v, vqp *q)
 {
     size_t size = (size_t)RQ_DEPTH * HX_NOTE_MAX;
     q->rbuf = aligned_alloc(4096, size);
-    q->rmr = q->rbuf ? v->api.reg_mr(v->pd, q->rbuf, size, IBV_ACCESS_LOCAL_WRITE) : NULL;
+    q->rmr =
+        q->rbuf ? v->api.reg_mr(q->own_pd ? q->own_pd : v->pd, q->rbuf, size, IBV_ACCESS_LOCAL_WRITE) : NULL;
     if (!q->rmr) {
         VB_FAIL("registering the receive buffers failed: %s", strerror(errno));
         return -1;
@@ -127,6 +128,10 @@ void vb_qp_free(hx_verbs *v, vqp *q)
         v->api.dereg_mr(q->rmr);
     if (q->smr)
         v->api.dereg_mr(q->smr);
+    if (q->export_mr)
+        v->api.dereg_mr(q->export_mr);
+    if (q->own_pd)
+        v->api.dealloc_pd(q->own_pd);
     free(q->rbuf);
     free(q->sbuf);
     pthread_mutex_destroy(&q->lock);
@@ -181,17 +186,15 @@ static const hx_peer_ops verbs_ops = {.post = vb_post,
                                       .destroy = verbs_destroy,
                                       .transport = HX_TRANSPORT_VERBS};
 
-static vqp *vqp_new(hx_agent *a, bool target, uint64_t session)
+vqp *vb_vqp_new(hx_agent *a, bool target, uint64_t session, struct ibv_qp *qp)
 {
     hx_verbs *v = V(a);
     vqp *q = calloc(1, sizeof *q);
-    if (!q)
-        return NULL;
-    q->qp = create_qp(v);
-    if (!q->qp) {
-        free(q);
+    if (!q) {
+        VB_FAIL("out of memory");
         return NULL;
     }
+    q->qp = qp;
     hx_peer_init(&q->base, a, &verbs_ops);
     pthread_mutex_init(&q->lock, NULL);
     q->target = target;
@@ -209,13 +212,17 @@ hx_peer *hx_verbs_peer_new(hx_agent *a, uint32_t *qpn, uint32_t *psn, int *statu
         *status = HX_E_INVAL;
         return NULL;
     }
-    vqp *q = vqp_new(a, false, 0);
+    /* Remote rights on the QP as on the MRs: the MRs' own flags narrow them. */
+    struct ibv_qp *qp = vb_create_qp(V(a), V(a)->pd, AIOHIXL_QP_ACCESS);
+    vqp *q = qp ? vb_vqp_new(a, false, 0, qp) : NULL;
     if (!q) {
+        if (qp)
+            V(a)->api.destroy_qp(qp);
         *status = HX_E_SYS;
         return NULL;
     }
     *qpn = q->qp->qp_num;
-    *psn = q->lpsn = random_psn();
+    *psn = q->lpsn = vb_random_psn();
     *status = HX_OK;
     return &q->base;
 }
@@ -223,7 +230,7 @@ hx_peer *hx_verbs_peer_new(hx_agent *a, uint32_t *qpn, uint32_t *psn, int *statu
 int hx_verbs_peer_connect(hx_peer *p, uint32_t qpn, uint32_t psn, const uint8_t *gid, uint16_t lid, int mtu)
 {
     vqp *q = (vqp *)p;
-    return connect_qp(V(p->agent), q->qp, qpn, psn, q->lpsn, gid, lid, mtu);
+    return vb_connect_qp(V(p->agent), q->qp, qpn, psn, q->lpsn, gid, lid, mtu);
 }
 
 int hx_verbs_accept(hx_agent *a, uint64_t session, uint32_t qpn, uint32_t psn, const uint8_t *gid,
@@ -232,13 +239,17 @@ int hx_verbs_accept(hx_agent *a, uint64_t session, uint32_t qpn, uint32_t psn, c
     hx_verbs *v = V(a);
     if (!v)
         return HX_E_INVAL;
-    vqp *q = vqp_new(a, true, session);
-    if (!q)
+    struct ibv_qp *qp = vb_create_qp(v, v->pd, AIOHIXL_QP_ACCESS);
+    vqp *q = qp ? vb_vqp_new(a, true, session, qp) : NULL;
+    if (!q) {
+        if (qp)
+            v->api.destroy_qp(qp);
         return HX_E_SYS;
+    }
     *lqpn = q->qp->qp_num;
-    *lpsn = random_psn();
-    int rc = connect_qp(v, q->qp, qpn, psn, *lpsn, gid, lid, mtu);
-    if (rc == HX_OK && post_receives(v, q) < 0)
+    *lpsn = vb_random_psn();
+    int rc = vb_connect_qp(v, q->qp, qpn, psn, *lpsn, gid, lid, mtu);
+    if (rc == HX_OK && vb_post_receives(v, q) < 0)
         rc = HX_E_SYS;
     if (rc != HX_OK) {
         pthread_mutex_lock(&q->lock);

@@ -41,6 +41,24 @@ int hx_verbs_post_imm(hx_peer *p, uint64_t op_id, const hx_sge *sges, uint32_t n
     return HX_E_SYS;
 }
 
+int hx_verbs_export_new(hx_agent *a, uint64_t session, uint32_t region, uint64_t off, uint64_t len,
+                        uint32_t access, uint32_t *qpn, uint32_t *psn, uint64_t *addr, uint32_t *rkey)
+{
+    return HX_E_SYS;
+}
+
+int hx_verbs_export_connect(hx_agent *a, uint64_t session, uint32_t qpn, uint32_t psn, const uint8_t *gid,
+                            uint16_t lid, int mtu)
+{
+    return HX_E_SYS;
+}
+
+hx_peer *hx_verbs_raw_peer_new(hx_agent *a, uint32_t *qpn, uint32_t *psn, int *status)
+{
+    *status = HX_E_SYS;
+    return NULL;
+}
+
 /* No state, no hooks: hx_verbs_open never succeeds. */
 const hx_transport hx_verbs_transport = {.name = "verbs"};
 

@@ -27,9 +27,10 @@
  *
  * Files: loader.c (dlopen, symbol table), device.c (open/close, the
  * transport's hooks), mr.c, qp.c (queue-pair states, the peer's fail and
- * destroy), post.c (build and submit chains), cq.c (the completion thread);
- * stub.c stands in for all of them when built without rdma-core's headers
- * (HX_HAVE_VERBS undefined). This header is private to them.
+ * destroy), raw.c (queue pairs for peers that are not aiohixl), post.c
+ * (build and submit chains), cq.c (the completion thread); stub.c stands in
+ * for all of them when built without rdma-core's headers (HX_HAVE_VERBS
+ * undefined). This header is private to them.
  */
 #ifndef AIOHIXL_VERBS_H
 #define AIOHIXL_VERBS_H
@@ -114,6 +115,11 @@ typedef struct vqp {
         uint32_t slot, len, imm, flags;
     } held[RQ_DEPTH];
     uint32_t held_head, held_count;
+    /* a raw export (raw.c): its own protection domain, holding only the
+     * exported range's MR and the receive buffers, so that the raw peer's
+     * QP reaches nothing else of the agent */
+    struct ibv_pd *own_pd;
+    struct ibv_mr *export_mr;
 } vqp;
 
 typedef struct hx_verbs {
@@ -152,6 +158,16 @@ void vb_qp_to_error(hx_verbs *v, vqp *q);
 void vb_qp_free(hx_verbs *v, vqp *q);
 /* Posts the receive of one buffer; -1 when it fails. */
 int vb_post_recv(vqp *q, uint32_t slot);
+/* A QP in INIT in pd whose remote end may do what access (IBV_ACCESS_*) allows. */
+struct ibv_qp *vb_create_qp(hx_verbs *v, struct ibv_pd *pd, int access);
+/* RESET/INIT -> RTR -> RTS toward the remote QP. */
+int vb_connect_qp(hx_verbs *v, struct ibv_qp *qp, uint32_t rqpn, uint32_t rpsn, uint32_t lpsn,
+                  const uint8_t *gid, uint16_t lid, int mtu);
+/* Registers and posts a target QP's receive buffers (in q's own PD if any). */
+int vb_post_receives(hx_verbs *v, vqp *q);
+/* A new QP (made by make_qp), listed with the agent. */
+vqp *vb_vqp_new(hx_agent *a, bool target, uint64_t session, struct ibv_qp *qp);
+uint32_t vb_random_psn(void);
 
 /* post.c */
 int vb_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n);

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from .._control import handshake as c
 from .._control import wire as w
@@ -38,6 +38,12 @@ def qp_info(wr: w.Writer, qpn: int, psn: int, gid: bytes, lid: int, mtu: int) ->
 
 def read_qp_info(r: w.Reader) -> tuple[int, int, bytes, int, int]:
     return r.u32(), r.u32(), r.raw(16), r.u16(), r.u8()
+
+
+class Export(Protocol):
+    """A range exported to a raw RC peer (aiohixl.rc.RcExport)."""
+
+    def close(self) -> None: ...
 
 
 def _error() -> str:
@@ -121,6 +127,7 @@ class VerbsTransport(Transport):
         )
         self.device: RdmaChoice | None = None
         self._rkeys: dict[int, int] = {}
+        self.exports: dict[int, set[Export]] = {}  # by region id: closed with their region
         self.unavailable = "not opened yet"
 
     def open(self) -> None:
@@ -158,6 +165,8 @@ class VerbsTransport(Transport):
 
     def region_removed(self, region: Region) -> None:
         self._rkeys.pop(region.id, None)
+        for export in list(self.exports.pop(region.id, ())):
+            export.close()  # before its memory goes: the raw peer's NIC can reach it no more
 
     def descriptor_keys(self, region: Region) -> dict[int, bytes]:
         rkey = self._rkeys.get(region.id)
