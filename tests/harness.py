@@ -90,20 +90,20 @@ class Target(LineProcess):
     ) -> Target:
         """``prefix`` runs the target under another command (e.g. unshare)."""
         args = [
-                "--token",
-                token,
-                "--listen",
-                listen,
-                "--heartbeat",
-                str(heartbeat),
-                "--rdma-timeout",
-                str(rdma_timeout),
-                "--stall",
-                str(stall),
-                "--max-notes",
-                str(max_notes),
-                "--busy-poll",
-                str(busy_poll_us),
+            "--token",
+            token,
+            "--listen",
+            listen,
+            "--heartbeat",
+            str(heartbeat),
+            "--rdma-timeout",
+            str(rdma_timeout),
+            "--stall",
+            str(stall),
+            "--max-notes",
+            str(max_notes),
+            "--busy-poll",
+            str(busy_poll_us),
         ]
         if BRIDGE:
             from .rdma_two.bridge import open_bridged

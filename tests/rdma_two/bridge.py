@@ -110,9 +110,10 @@ async def open_bridged(argv: list[str], bridge: str, timeout: float = 0.0) -> Br
     deadline = time.monotonic() + timeout
     while True:
         try:
-            stream = await anyio.connect_tcp(host, int(port))
+            with anyio.fail_after(5):  # a powered-off guest does not refuse: it is silent
+                stream = await anyio.connect_tcp(host, int(port))
             break
-        except OSError:
+        except (OSError, TimeoutError):
             if time.monotonic() > deadline:
                 raise
             await anyio.sleep(0.2)  # a booting guest: nothing to wait on but its port
