@@ -88,14 +88,15 @@ test-rdma: venv
 # Guest B serves targets (tests/rdma_two/bridge.py); guest A runs the verbs tests against them,
 # with link faults (tests/rdma_two), then perftest and aiohixl side by side (figures only).
 RDMA_TWO_A := AIOHIXL_TEST_BRIDGE=192.0.2.2:7100 $(RDMA_PYTEST_CMD) \
-	tests/test_contract.py tests/rdma/test_verbs.py tests/rdma_two/test_link.py \
-	&& AIOHIXL_TEST_BRIDGE=192.0.2.2:7100 $(abspath $(PY)) -m tests.rdma_two.perf
+	tests/test_contract.py tests/rdma/test_verbs.py tests/rdma_two/test_link.py; rc=$$?; \
+	AIOHIXL_TEST_BRIDGE=192.0.2.2:7100 $(abspath $(PY)) -m tests.rdma_two.perf || rc=1; exit $$rc
 .PHONY: test-rdma-two
 test-rdma-two: venv
 	$(SOFTROCE)/setup.sh
 	$(PY) -c 'from aiohixl._loop.native import lib; raise SystemExit(0 if lib.hx_verbs_built() else 1)' \
 		|| $(PY) -m pip install -q -e .
-	SOFTROCE_VERBOSE=1 $(SOFTROCE)/run-two.sh '$(RDMA_TWO_A)' '$(abspath $(PY)) -m tests.rdma_two.bridge'
+	SOFTROCE_VERBOSE=1 $(SOFTROCE)/run-two.sh '$(RDMA_TWO_A)' '$(abspath $(PY)) -m tests.rdma_two.bridge'; \
+		rc=$$?; cat build/softroce-two/figures.md 2>/dev/null; exit $$rc
 
 # The vLLM tier: AiohixlConnector between real vLLM api_server instances (CPU build), through
 # the proxy, against a single instance's greedy tokens. Its own venv (tests/vllm/setup_venv.sh).

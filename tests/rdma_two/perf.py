@@ -5,7 +5,7 @@
 perftest's servers run in guest B through tests/rdma_two/bridge.py, its clients here; then
 an aiohixl target in guest B and puts/gets from here with as many in flight as perftest's
 default TX depth (128). The same again with netem (2 ms delay, 1% loss) on guest A's
-egress. Prints a markdown table (docs/rdma.md, "Two guests"). Figures, not a test: emulated
+egress. Writes markdown tables to the figures file (docs/rdma.md, "Two guests"). Figures, not a test: emulated
 rxe says nothing of a NIC's speed, the ratio says what the library adds on top of verbs.
 """
 
@@ -28,6 +28,12 @@ from .bridge import open_bridged
 PEER = BRIDGE.rpartition(":")[0]
 DEPTH = 128  # perftest's default TX depth for its bandwidth tests
 PERFTEST = ["-d", "rxe0", "-x", "1", "-F"]  # GID 1: the RoCE v2 IPv4 one on rxe
+
+
+def report(text: str) -> None:
+    """Figures for docs/rdma.md, into a file `make test-rdma-two` prints at the end."""
+    with open(os.path.join(os.environ["SOFTROCE_TWO_CTL"], "figures.md"), "a") as f:
+        print(text, file=f)
 
 
 async def perftest(tool: str, args: list[str]) -> list[str]:
@@ -122,14 +128,15 @@ async def main() -> None:
     args = p.parse_args()
     total = args.total << 20
     head = ["| op, size | perftest | aiohixl | ratio |", "|---|---|---|---|"]
-    print("\n".join(["clean link", *head, *await table((4096, 65536, 1 << 20), total, 300)]), flush=True)
+    clean = await table((4096, 65536, 1 << 20), total, 300)
     dev = os.environ.get("SOFTROCE_NETDEV", "eth0")
     subprocess.run(["tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", "2ms", "loss", "1%"], check=True)
     try:
         rows = await table((65536, 1 << 20), total // 2, 100)
     finally:
         subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], check=True)
-    print("\n".join(["netem delay 2ms loss 1% (guest A's egress)", *head, *rows]), flush=True)
+    lossy = ["", "netem delay 2ms loss 1% on guest A's egress:", "", *head, *rows]
+    report("\n".join(["", "perftest and aiohixl, clean link:", "", *head, *clean, *lossy]))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import aiohixl
 
 from ..harness import BRIDGE, TOKEN, Target, pattern, sha
 from ..waiting import wait_until
+from .perf import report
 
 if not BRIDGE:
     pytest.skip("the two-guest tier: run `make test-rdma-two`", allow_module_level=True)
@@ -63,7 +64,7 @@ async def test_a_delaying_lossy_link_changes_no_byte(lossy_link):
             await asyncio.gather(
                 *(peer.put(kv[i * MIB : (i + 1) * MIB], src[i * MIB : (i + 1) * MIB]) for i in range(4))
             )
-            print(f"\nlossy link: 4 x 1 MiB puts in {time.monotonic() - t0:.2f} s")
+            report(f"lossy link: 4 concurrent 1 MiB puts in {time.monotonic() - t0:.2f} s")
             assert await target.hash("kv", 0, 4 * MIB) == sha(src_arr)
             await peer.get(dst, rsrc)
             assert sha(dst_arr) == sha(pattern(MIB, 3))
@@ -105,8 +106,8 @@ async def test_guest_b_powered_off_mid_transfer_then_back():
         results = await asyncio.gather(*tasks, return_exceptions=True)
         failed = time.monotonic()
         assert all(isinstance(r, aiohixl.ConnectionLost) for r in results), results
-        print(
-            f"\npower-off: ops failed {failed - asked:.2f} s after the request, "
+        report(
+            f"power-off: ops failed {failed - asked:.2f} s after the request, "
             f"{failed - last:.2f} s after the last completed put ({done} puts of 1 MiB)"
         )
         assert failed - asked < POWER_OFF_BOUND
