@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import statistics
 import subprocess
 import time
@@ -39,17 +40,17 @@ def report(text: str) -> None:
 async def perftest(tool: str, args: list[str]) -> list[str]:
     """Runs ``tool`` against its server in guest B; its result line, split."""
     server = await open_bridged([tool, *PERFTEST, *args], BRIDGE)
-    try:
-        for _ in range(100):  # the server listens once it has started: nothing else to wait on
-            out = subprocess.run([tool, *PERFTEST, *args, PEER], capture_output=True, text=True)
-            if out.returncode == 0:
-                break
-            await anyio.sleep(0.2)
-        else:
-            raise RuntimeError(f"{tool}: {out.stdout}{out.stderr}")
-    finally:
-        await server.wait()
-        await server.aclose()
+    for _ in range(100):  # the server listens once it has started: nothing else to wait on
+        out = subprocess.run([tool, *PERFTEST, *args, PEER], capture_output=True, text=True)
+        if out.returncode == 0:
+            break
+        await anyio.sleep(0.2)
+    else:
+        server.send_signal(signal.SIGKILL)
+    await server.wait()  # the server ends after one client
+    await server.aclose()
+    if out.returncode:
+        raise RuntimeError(f"{tool}: {out.stdout}{out.stderr}")
     size = args[args.index("-s") + 1]
     return next(line.split() for line in out.stdout.splitlines() if line.split()[:1] == [size])
 
