@@ -89,7 +89,8 @@ test-rdma: venv
 # with link faults (tests/rdma_two), then perftest and aiohixl side by side (figures only).
 RDMA_TWO_A := AIOHIXL_TEST_BRIDGE=192.0.2.2:7100 $(RDMA_PYTEST_CMD) \
 	tests/test_contract.py tests/rdma/test_verbs.py tests/rdma_two/test_link.py; rc=$$?; \
-	AIOHIXL_TEST_BRIDGE=192.0.2.2:7100 $(abspath $(PY)) -m tests.rdma_two.perf || rc=1; exit $$rc
+	AIOHIXL_TEST_BRIDGE=192.0.2.2:7100 $(abspath $(PY)) -m tests.rdma_two.perf \
+	|| echo "perf.py failed: figures only, not a test (docs/rdma.md, Two guests: heartbeats starve at 1 MiB)"; exit $$rc
 .PHONY: test-rdma-two
 test-rdma-two: venv
 	$(SOFTROCE)/setup.sh
