@@ -74,7 +74,8 @@ clean:
 
 # The RDMA tier: tests/rdma inside a throwaway VM with the Soft-RoCE device rxe0.
 SOFTROCE := tests/softroce
-RDMA_PYTEST := PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(abspath $(PY)) -m pytest -q -p pytest_asyncio.plugin -p pytest_timeout -p no:cacheprovider -v tests/rdma tests/test_contract.py tests/test_notify.py
+RDMA_PYTEST_CMD := PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(abspath $(PY)) -m pytest -q -p pytest_asyncio.plugin -p pytest_timeout -p no:cacheprovider -v
+RDMA_PYTEST := $(RDMA_PYTEST_CMD) tests/rdma tests/test_contract.py tests/test_notify.py
 
 .PHONY: test-rdma
 test-rdma: venv
@@ -83,6 +84,21 @@ test-rdma: venv
 	$(PY) -c 'from aiohixl._loop.native import lib; raise SystemExit(0 if lib.hx_verbs_built() else 1)' \
 		|| $(PY) -m pip install -q -e .
 	SOFTROCE_CPUS=2 SOFTROCE_VERBOSE=1 $(SOFTROCE)/run.sh '$(RDMA_PYTEST)'
+
+# The two-guest tier: two VMs on a virtual link, each with its own rxe0 (tests/softroce/run-two.sh).
+# Guest B serves targets (tests/rdma_two/bridge.py); guest A runs the verbs tests against them,
+# with link faults (tests/rdma_two), then perftest and aiohixl side by side (figures only).
+RDMA_TWO_A := AIOHIXL_TEST_BRIDGE=192.0.2.2:7100 $(RDMA_PYTEST_CMD) \
+	tests/test_contract.py tests/rdma/test_verbs.py tests/rdma_two/test_link.py; rc=$$?; \
+	AIOHIXL_TEST_BRIDGE=192.0.2.2:7100 $(abspath $(PY)) -m tests.rdma_two.perf \
+	|| echo "perf.py failed: figures only, not a test (docs/rdma.md, Two guests: heartbeats starve at 1 MiB)"; exit $$rc
+.PHONY: test-rdma-two
+test-rdma-two: venv
+	$(SOFTROCE)/setup.sh
+	$(PY) -c 'from aiohixl._loop.native import lib; raise SystemExit(0 if lib.hx_verbs_built() else 1)' \
+		|| $(PY) -m pip install -q -e .
+	SOFTROCE_VERBOSE=1 $(SOFTROCE)/run-two.sh '$(RDMA_TWO_A)' '$(abspath $(PY)) -m tests.rdma_two.bridge'; \
+		rc=$$?; cat build/softroce-two/figures.md 2>/dev/null; exit $$rc
 
 # The vLLM tier: AiohixlConnector between real vLLM api_server instances (CPU build), through
 # the proxy, against a single instance's greedy tokens. Its own venv (tests/vllm/setup_venv.sh).

@@ -15,6 +15,9 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-token-4f1d"
+# "host:port" of tests/rdma_two/bridge.py: targets start in the other guest of the two-guest tier
+BRIDGE = os.environ.get("AIOHIXL_TEST_BRIDGE", "")
+BRIDGE_WAIT = 600.0  # that guest may be booting (the power-off test reboots it)
 
 
 def pattern(size: int, seed: int) -> np.ndarray:
@@ -86,32 +89,34 @@ class Target(LineProcess):
         busy_poll_us: int = 0,
     ) -> Target:
         """``prefix`` runs the target under another command (e.g. unshare)."""
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        proc = await anyio.open_process(
-            [
-                *prefix,
-                sys.executable,
-                "-m",
-                "tests.target",
-                "--token",
-                token,
-                "--listen",
-                listen,
-                "--heartbeat",
-                str(heartbeat),
-                "--rdma-timeout",
-                str(rdma_timeout),
-                "--stall",
-                str(stall),
-                "--max-notes",
-                str(max_notes),
-                "--busy-poll",
-                str(busy_poll_us),
-            ],
-            cwd=ROOT,
-            env=env,
-            stderr=None,
-        )
+        args = [
+            "--token",
+            token,
+            "--listen",
+            listen,
+            "--heartbeat",
+            str(heartbeat),
+            "--rdma-timeout",
+            str(rdma_timeout),
+            "--stall",
+            str(stall),
+            "--max-notes",
+            str(max_notes),
+            "--busy-poll",
+            str(busy_poll_us),
+        ]
+        if BRIDGE:
+            from .rdma_two.bridge import open_bridged
+
+            assert not prefix, "a target in the other guest runs as it is"
+            proc = await open_bridged(["target", *args], BRIDGE, timeout=BRIDGE_WAIT)
+        else:
+            proc = await anyio.open_process(
+                [*prefix, sys.executable, "-m", "tests.target", *args],
+                cwd=ROOT,
+                env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                stderr=None,
+            )
         out = BufferedByteReceiveStream(proc.stdout)
         with anyio.fail_after(300 if os.environ.get("SOFTROCE_GUEST") else 30):  # emulated VM: slow start
             first = json.loads(await out.receive_until(b"\n", 1 << 20))

@@ -19,7 +19,7 @@ from aiohixl import _testing as hooks
 from aiohixl.remote import RemoteRegion
 from aiohixl.transports import verbs as _rdma
 
-from ..harness import TOKEN, Target, pattern, sha
+from ..harness import BRIDGE, TOKEN, Target, pattern, sha
 from ..waiting import wait_until
 
 try:
@@ -30,10 +30,13 @@ except ValueError as exc:  # no device: the whole tier skips
 VERBS = ("verbs", "tcp")  # both processes share a host: keep shared memory out of the way
 SPACE = 8 << 20
 QP_TIMEOUT = 12  # 4.096 us * 2**12 = 16.8 ms per try, one retry: a dead peer shows in ~50 ms
+QP_RETRIES = 1
+if BRIDGE:  # the target in the other guest: an emulated link and guest stall longer than that
+    QP_TIMEOUT, QP_RETRIES = 14, 7
 
 
 def agent(**kw) -> aiohixl.Agent:
-    return aiohixl.Agent(token=TOKEN, transports=VERBS, rdma_timeout=QP_TIMEOUT, rdma_retry_count=1, **kw)
+    return aiohixl.Agent(token=TOKEN, transports=VERBS, rdma_timeout=QP_TIMEOUT, rdma_retry_count=QP_RETRIES, **kw)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
