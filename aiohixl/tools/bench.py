@@ -134,7 +134,7 @@ async def serve(max_size: int, busy_poll_us: int = 0) -> None:
             if cmd[0] == "hash":  # hash <region> <nbytes>: what landed, for verification
                 region = regions[cmd[1]]
                 print(hashlib.sha256(region.memory[: int(cmd[2])]).hexdigest(), flush=True)
-            elif cmd[0] == "notes":  # notes <n>: "ready", then when n notifications arrived, their delays
+            elif cmd[0] == "notes":  # notes <n>: "ready", a line as each arrives, then their delays
                 print("ready", flush=True)
                 print(json.dumps(await _note_delays(agent, int(cmd[1]))), flush=True)
             else:
@@ -148,6 +148,7 @@ async def _note_delays(agent: Any, n: int) -> list[float]:
     for _ in range(n):
         note = await agent.notification(timeout=60)
         delays.append(time.monotonic() - float(note.data))
+        print("got", flush=True)  # the sender sends the next now: one at a time, as the wake-up baseline
     return delays
 
 
@@ -236,9 +237,6 @@ async def registration(sizes: tuple[int, ...], progress: Progress) -> dict[str, 
     return out
 
 
-NOTE_GAP = 0.001  # seconds between notifications (the event loop's timers round up to 1 ms)
-
-
 async def notify_latency(
     agent: Any, peer: Any, target: Any, remote: Any, local: Any, size: int, ops: int
 ) -> dict[str, float]:
@@ -257,9 +255,10 @@ async def notify_latency(
         raise RuntimeError("the bench target did not take the notes command")
     for _ in range(ops):
         await peer.put(r, loc, notify=repr(time.monotonic()).encode())
-        # Apart, so that each finds the target idle rather than queued behind the last
-        # (a put that returns before its message is read would otherwise outrun the reader).
-        await asyncio.sleep(NOTE_GAP)
+        # A ping-pong, as the native wake-up baseline: the next goes once the target took this
+        # one (a put that returns before its message is read would otherwise outrun the reader).
+        if target.answer() != "got":
+            raise RuntimeError("the bench target did not take a notification")
     return _summary(json.loads(target.answer()))
 
 
