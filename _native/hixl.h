@@ -162,6 +162,20 @@ int hx_shm_map(hx_peer *p, uint32_t region, int fd, uint64_t size, uint32_t acce
 int hx_shm_attach(hx_peer *p, uint32_t region, uint64_t addr, uint64_t size, uint32_t access);
 int hx_shm_forget(hx_peer *p, uint32_t region, int wait);
 int hx_cma_probe(int pid, uint64_t addr, uint8_t *out, uint32_t len);
+/* The shm doorbell (shm/bell.h). serve (target): a ring for a session's
+ * notifications, its memfd in *ring_fd and the initiator's end of its socket
+ * pair in *peer_fd, both for the caller to pass on and close. close: ends it
+ * (session over); what the ring still holds is queued first. bell
+ * (initiator): from now on hx_peer_note on this peer writes the target's ring
+ * (HX_DONE_INLINE), HX_E_BUSY while it is full. Tests: forge writes a record
+ * at the next slot, its seq that slot's plus seq_skew and its len, and
+ * publishes the tail moved by tail_step, as a hostile initiator could. */
+typedef struct hx_bell hx_bell;
+hx_bell *hx_shm_bell_serve(hx_agent *a, uint64_t session, int *ring_fd, int *peer_fd, int *status);
+void hx_shm_bell_close(hx_agent *a, hx_bell *b);
+int hx_shm_bell(hx_peer *p, int ring_fd, int sock_fd);
+enum { HX_BELL_SLOTS = 128 }; /* records a doorbell ring holds */
+int hx_test_shm_forge(hx_peer *p, int64_t seq_skew, uint32_t len, int64_t tail_step);
 
 /* verbs transport (libibverbs loaded at run time). open: device by name ("" for
  * the first), port, GID index, QP ack timeout exponent and retry count; on

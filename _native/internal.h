@@ -108,6 +108,10 @@ typedef struct hx_transport {
     void (*free)(hx_agent *a);
     /* The notification queue has room again: resume senders held back. */
     void (*note_space)(hx_agent *a);
+    /* Notifications the transport holds outside the queue (shm's doorbell
+     * rings): moved into it (hx_note_enqueue) as far as it has room, every
+     * sender's (all) or only source's; returns how many it still holds. */
+    uint32_t (*move_notes)(hx_agent *a, bool all, uint64_t source);
 } hx_transport;
 
 /* The slots of a->state and the order of hx_transports[] (and of hx_stats). */
@@ -137,7 +141,8 @@ struct hx_agent {
     hx_completion *ring;
     uint32_t ring_cap, ring_head, ring_count;
     bool signaled;
-    int wake_fd;
+    int wake_fd; /* the eventfd native threads write */
+    int poll_fd; /* what the event loop watches: an epoll set of wake_fd and shm's doorbells */
 
     /* copy pool */
     pthread_mutex_t pool_lock;
@@ -196,6 +201,9 @@ void hx_notes_free(hx_agent *a);
 int hx_note_push(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len, uint32_t imm,
                  uint32_t flags, uint32_t nbytes);
 void hx_note_dropped(hx_agent *a);
+/* Queues a notification a transport held (move_notes): HX_E_BUSY when the
+ * queue is full, unless force; wakes no one (the caller drains, or wakes). */
+int hx_note_enqueue(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len, bool force);
 
 /* core/pool.c */
 /* Starts n threads (a->threads has room for them); on failure a->nthreads

@@ -9,6 +9,7 @@ from ._agent.core import AgentCore
 from ._agent.peer_core import PeerCore
 from ._control.handshake import Identity
 from ._loop.engine import Engine
+from ._loop.native import lib
 from .agent import Agent
 from .descriptor import RegionInfo
 from .memory import Region
@@ -17,6 +18,7 @@ from .transports.base import Link, Transport
 
 __all__ = [
     "engine",
+    "forge_bell_record",
     "held_ops",
     "identity",
     "in_flight_on",
@@ -81,6 +83,12 @@ def links(peer: Peer) -> list[Link]:
 def notes_link(peer: Peer) -> Link:
     """The link the peer's notifications travel on."""
     return _peer(peer).notes
+
+
+def forge_bell_record(peer: Peer, seq_skew: int, length: int, tail_step: int) -> int:
+    """Write what a hostile initiator could into the target's doorbell ring (shm): a record at
+    the next slot numbered ``seq_skew`` off its own, of ``length``, the tail moved ``tail_step``."""
+    return int(lib.hx_test_shm_forge(_peer(peer).notes.handle, seq_skew, length, tail_step))
 
 
 def _agent(agent: Agent) -> AgentCore:

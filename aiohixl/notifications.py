@@ -94,15 +94,18 @@ class Inbox:
         if native is None:
             return
         moved = 0
-        while len(self._queue) < self.capacity:
-            n = lib.hx_agent_drain_notes(native, self._buf, min(_BATCH, self.capacity - len(self._queue)))
+        while True:
+            room = self.capacity - len(self._queue)
+            # With no room it takes nothing but still reads the doorbells' wake-ups (shm):
+            # else their fd would keep waking the loop until someone takes a notification.
+            n = lib.hx_agent_drain_notes(native, self._buf, min(_BATCH, room))
             for i in range(n):
                 e = self._buf[i]
                 imm = int(e.imm) if e.flags & lib.HX_NOTE_IMM else None
                 name, agent_id = self.senders(e.source)
                 self._queue.append(Notification(bytes(ffi.buffer(e.data, e.len)), imm, name, e.nbytes, agent_id))
             moved += n
-            if n < _BATCH:
+            if n < _BATCH or n == room:
                 break
         if moved and self._space:
             self._wake_space()

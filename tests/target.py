@@ -132,6 +132,7 @@ async def main() -> None:
                 out.update(
                     outstanding=agent.outstanding,
                     received=agent.stats()["notifications"]["received"],
+                    dropped=agent.notifications_dropped,
                     warnings=warnings.messages,
                 )
             elif op == "info":

@@ -17,6 +17,8 @@ import pytest
 import pytest_asyncio
 
 import aiohixl
+from aiohixl import _testing as hooks
+from aiohixl._loop.native import lib
 
 from .harness import TOKEN, Target, pattern, sha
 from .test_contract import IN_VM, PATHS, RUN
@@ -140,9 +142,10 @@ async def _received_at_least(target: Target, n: int) -> bool:
 
 @not_in_vm
 async def test_a_full_queue_holds_senders_back_and_loses_nothing():
+    # The native channel's hold-back; shm's doorbell ring in front of it: the test below.
     target = await Target.start(max_notes=8)
     try:
-        async with aiohixl.Agent("sender", token=TOKEN) as agent:
+        async with aiohixl.Agent("sender", token=TOKEN, transports=("tcp",)) as agent:
             peer = await agent.connect(target.address)
             sends = [asyncio.create_task(peer.notify(f"m{i}".encode())) for i in range(100)]
             # Nobody takes any: the queue fills. All 100 went out at once, in order on one
@@ -158,6 +161,89 @@ async def test_a_full_queue_holds_senders_back_and_loses_nothing():
             assert reply["dropped"] == 0
     finally:
         await target.aclose()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_shm_notifications_ring_the_doorbell(path):
+    if path["name"].startswith("shm"):
+        link = hooks.notes_link(path["peer"])
+        assert link.name == "shm" and link.bell, "shm notes ring the target's doorbell, not the channel"
+
+
+@not_in_vm
+async def test_a_full_doorbell_ring_holds_the_sender_back_in_order():
+    """The target's loop is blocked: the ring fills, the rest go the channel's way and wait
+    there (its queue is full too); nothing is lost and the order holds across both ways."""
+    target = await Target.start(max_notes=8)
+    n = 3 * lib.HX_BELL_SLOTS
+    try:
+        async with aiohixl.Agent("sender", token=TOKEN) as agent:
+            peer = await agent.connect(target.address)
+            assert hooks.notes_link(peer).bell
+            await target.block(30.0)
+            blocked = asyncio.create_task(target.unblocked())
+            sends = [asyncio.create_task(peer.notify(f"m{i}".encode())) for i in range(n)]
+            # A note in the ring is queued there; the next waits for the target's native
+            # thread, which queues the ring's first and then has no room.
+            await wait_until(lambda: sum(t.done() for t in sends) >= lib.HX_BELL_SLOTS, what="the ring full")
+            assert sum(t.done() for t in sends) == lib.HX_BELL_SLOTS
+            assert not blocked.done(), "the target's loop ran: the test proves nothing"
+            await blocked
+            reply = await target.cmd(op="collect", n=n)
+            await asyncio.gather(*sends)
+            assert [d for _, d in reply["notes"]] == [f"m{i}" for i in range(n)]
+            assert reply["dropped"] == 0
+            await peer.notify(b"after")  # the ring again, behind all of them
+            assert (await target.cmd(op="collect", n=1))["notes"] == [["sender", "after"]]
+    finally:
+        await target.aclose()
+
+
+async def _dropped_at_least(target: Target, n: int) -> bool:
+    return (await target.state())["dropped"] >= n
+
+
+@not_in_vm
+@pytest.mark.parametrize(
+    "forged",
+    [
+        {"seq_skew": 5, "length": 3, "tail_step": 1},  # a record not numbered as its slot
+        {"seq_skew": 0, "length": 5000, "tail_step": 1},  # longer than a notification
+        {"seq_skew": 0, "length": 3, "tail_step": 1000},  # a tail past a full ring
+        {"seq_skew": 0, "length": 3, "tail_step": -1},  # a tail behind the target's head
+    ],
+)
+async def test_a_malformed_ring_record_is_dropped_and_the_target_carries_on(forged):
+    target = await Target.start()
+    try:
+        async with aiohixl.Agent("hostile", token=TOKEN) as agent:
+            peer = await agent.connect(target.address)
+            await peer.notify(b"before")
+            assert (await target.cmd(op="collect", n=1))["notes"] == [["hostile", "before"]]
+            hooks.forge_bell_record(peer, **forged)
+            await wait_until(lambda: _dropped_at_least(target, 1), what="the forged record dropped")
+            # The ring is read no more; the sender is told why its next note cannot go.
+            with pytest.raises(aiohixl.ProtocolError):
+                await peer.notify(b"after")
+        state = await target.state()
+        assert state["dropped"] == 1 and state["received"] == 1
+        async with aiohixl.Agent("honest", token=TOKEN) as agent:
+            peer = await agent.connect(target.address)
+            await peer.notify(b"fine")
+            assert (await target.cmd(op="collect", n=1))["notes"] == [["honest", "fine"]]
+    finally:
+        await target.aclose()
+
+
+@not_in_vm
+async def test_notes_to_a_closed_target_fail():
+    target = await Target.start()
+    async with aiohixl.Agent("sender", token=TOKEN) as agent:
+        peer = await agent.connect(target.address)
+        await peer.notify(b"one")
+        await target.aclose()  # its agent closed its rings on the way out, then the process ended
+        with pytest.raises(aiohixl.ConnectionLost):
+            await peer.notify(b"too late")
 
 
 @not_in_vm

@@ -1,6 +1,7 @@
 /* The agent's lifetime: its ring, pool, registry and transports. */
 #include "internal.h"
 #include <stdlib.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -19,7 +20,13 @@ hx_agent *hx_agent_new(uint32_t ring_capacity, uint32_t copy_threads, int *statu
         goto fail;
     a->ring_cap = ring_capacity;
     a->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (a->wake_fd < 0) {
+    a->poll_fd = epoll_create1(EPOLL_CLOEXEC);
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+    if (a->wake_fd < 0 || a->poll_fd < 0 || epoll_ctl(a->poll_fd, EPOLL_CTL_ADD, a->wake_fd, &ev) != 0) {
+        if (a->wake_fd >= 0)
+            close(a->wake_fd);
+        if (a->poll_fd >= 0)
+            close(a->poll_fd);
         *status = HX_E_SYS;
         goto fail;
     }
@@ -72,6 +79,7 @@ void hx_agent_free(hx_agent *a)
         if (hx_transports[t]->free)
             hx_transports[t]->free(a);
     hx_notes_free(a);
+    close(a->poll_fd);
     close(a->wake_fd);
     free(a->ring);
     free(a->threads);

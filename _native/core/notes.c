@@ -32,13 +32,24 @@ void hx_notes_free(hx_agent *a)
     pthread_mutex_destroy(&a->note_lock);
 }
 
-int hx_note_push(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len, uint32_t imm,
-                 uint32_t flags, uint32_t nbytes)
+/* What the transports hold outside the queue (move_notes), moved in: the
+ * records they still hold. */
+static uint32_t move_held(hx_agent *a, bool all, uint64_t source)
 {
+    uint32_t held = 0;
+    for (int t = 0; t < HX_NTRANSPORTS; t++)
+        if (hx_transports[t]->move_notes)
+            held += hx_transports[t]->move_notes(a, all, source);
+    return held;
+}
+
+static int queue(hx_agent *a, const hx_note_entry *head, const uint8_t *data, bool force)
+{
+    uint32_t len = head->len;
     if (len > HX_NOTE_MAX)
         return HX_E_INVAL;
     pthread_mutex_lock(&a->note_lock);
-    if (a->note_count >= a->note_cap) {
+    if (a->note_count >= a->note_cap && !force) {
         a->note_blocked = true;
         pthread_mutex_unlock(&a->note_lock);
         return HX_E_BUSY;
@@ -47,7 +58,8 @@ int hx_note_push(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len
     hx_note_entry *e = malloc(sizeof *e + len);
     if (!e)
         return HX_E_NOMEM;
-    *e = (hx_note_entry){.source = source, .imm = imm, .flags = flags, .nbytes = nbytes, .len = len};
+    *e = *head;
+    e->next = NULL;
     if (len)
         memcpy(e->data, data, len);
     pthread_mutex_lock(&a->note_lock);
@@ -59,8 +71,27 @@ int hx_note_push(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len
     a->note_count++;
     pthread_mutex_unlock(&a->note_lock);
     atomic_fetch_add_explicit(&a->stats.notes_received, 1, memory_order_relaxed);
-    hx_wake(a);
     return HX_OK;
+}
+
+int hx_note_enqueue(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len, bool force)
+{
+    return queue(a, &(hx_note_entry){.source = source, .len = len}, data, force);
+}
+
+int hx_note_push(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len, uint32_t imm,
+                 uint32_t flags, uint32_t nbytes)
+{
+    /* The sender's doorbell records were written before this message was
+     * sent: they go first, and this one waits while they cannot (the queue
+     * is full: note_blocked is set, the sender resumes at note_space). */
+    if (source && move_held(a, false, source))
+        return HX_E_BUSY;
+    hx_note_entry head = {.source = source, .imm = imm, .flags = flags, .nbytes = nbytes, .len = len};
+    int rc = queue(a, &head, data, false);
+    if (rc == HX_OK)
+        hx_wake(a);
+    return rc;
 }
 
 void hx_note_dropped(hx_agent *a)
@@ -72,6 +103,7 @@ void hx_note_dropped(hx_agent *a)
 
 int hx_agent_drain_notes(hx_agent *a, hx_note *out, int max)
 {
+    move_held(a, true, 0);
     int taken = 0;
     pthread_mutex_lock(&a->note_lock);
     while (taken < max && a->note_head) {
@@ -103,8 +135,9 @@ int hx_agent_drain_notes(hx_agent *a, hx_note *out, int max)
 
 int hx_agent_notes_pending(hx_agent *a)
 {
+    uint32_t held = move_held(a, true, 0);
     pthread_mutex_lock(&a->note_lock);
-    int n = (int)a->note_count;
+    int n = (int)(a->note_count + held);
     pthread_mutex_unlock(&a->note_lock);
     return n;
 }

@@ -65,7 +65,7 @@ int hx_agent_drain(hx_agent *a, hx_completion *out, int max)
     return taken;
 }
 
-int hx_agent_wake_fd(hx_agent *a) { return a->wake_fd; }
+int hx_agent_wake_fd(hx_agent *a) { return a->poll_fd; }
 
 struct test_completion {
     hx_agent *a;

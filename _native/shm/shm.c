@@ -8,6 +8,7 @@
  * and every op is checked against it before a byte moves.
  */
 #include "internal.h"
+#include "shm/bell.h"
 #include <errno.h>
 #include <fcntl.h>
 #include <stdlib.h>
@@ -19,6 +20,7 @@ typedef struct {
     hx_peer base;
     hx_registry maps;
     int pid;
+    bell_out bell; /* the target's doorbell, once attached */
 } shm_peer;
 
 static int shm_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n)
@@ -33,6 +35,16 @@ static int shm_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, 
     int pid = r->kind == HX_MEM_CMA ? s->pid : 0;
     hx_region_release(r);
     return hx_copy_post(p, &s->maps, pid, opcode, op_id, sges, n);
+}
+
+/* Python sends a note only once the ops it follows completed, so never with a dep. */
+static int shm_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len)
+{
+    shm_peer *s = (shm_peer *)p;
+    (void)op_id;
+    if (!s->bell.h || dep)
+        return HX_E_INVAL;
+    return bell_out_ring(&s->bell, data, len);
 }
 
 static void shm_fail(hx_peer *p, int status) { hx_pool_fail_peer(p->agent, p->id, status); }
@@ -50,14 +62,20 @@ static void shm_destroy(hx_peer *p)
 {
     shm_peer *s = (shm_peer *)p;
     unmap_all(s);
+    bell_out_free(&s->bell);
     free(s);
 }
 
-static const hx_peer_ops shm_ops = {
-    .post = shm_post, .fail = shm_fail, .destroy = shm_destroy, .transport = HX_TRANSPORT_SHM};
+static const hx_peer_ops shm_ops = {.post = shm_post,
+                                    .note = shm_note,
+                                    .fail = shm_fail,
+                                    .destroy = shm_destroy,
+                                    .transport = HX_TRANSPORT_SHM};
 
-/* No state per agent: each peer holds its mappings, copies run on the pool. */
-const hx_transport hx_shm_transport = {.name = "shm"};
+/* Per agent: the doorbells it serves (bell.c). Each peer holds its mappings;
+ * copies run on the pool. */
+const hx_transport hx_shm_transport = {
+    .name = "shm", .init = bell_init, .shutdown = bell_shutdown, .free = bell_free, .move_notes = bell_move};
 
 hx_peer *hx_shm_new(hx_agent *a, int pid, int *status)
 {
@@ -94,6 +112,17 @@ int hx_shm_map(hx_peer *p, uint32_t region, int fd, uint64_t size, uint32_t acce
     if (rc != HX_OK)
         munmap(m, size);
     return rc;
+}
+
+int hx_shm_bell(hx_peer *p, int ring_fd, int sock_fd)
+{
+    return bell_out_attach(&((shm_peer *)p)->bell, ring_fd, sock_fd);
+}
+
+int hx_test_shm_forge(hx_peer *p, int64_t seq_skew, uint32_t len, int64_t tail_step)
+{
+    shm_peer *s = (shm_peer *)p;
+    return s->bell.h ? bell_out_forge(&s->bell, seq_skew, len, tail_step) : HX_E_INVAL;
 }
 
 int hx_shm_attach(hx_peer *p, uint32_t region, uint64_t addr, uint64_t size, uint32_t access)

@@ -56,10 +56,12 @@ class PeerCore:
         self.channel = channel or links[0]
         self._own_channel = self.channel not in links
         # Every notification goes one way, so they arrive in order: on the preferred
-        # link when it keeps them behind its data (tcp, verbs), else on the channel.
-        self.notes = links[0] if links[0].ordered_notes else self.channel
-        # notify() needs no fence when every op goes the way the notifications do.
-        self.ordered = len(links) == 1 and links[0] is self.notes
+        # link when it keeps them behind its data (tcp, verbs) or rings the target
+        # itself (shm), else on the channel.
+        first = links[0]
+        self.notes = first if first.ordered_notes or first.take_notes(self.channel) else self.channel
+        # notify() needs no fence when every op goes the way the notifications do, behind them.
+        self.ordered = len(links) == 1 and first is self.notes and first.ordered_notes
         self.remote_id = remote_id
         self.name = name
         self.info = info

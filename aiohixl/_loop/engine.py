@@ -90,6 +90,9 @@ class Engine:
         """Ops the transports hold for the burst's flush (under asyncio)."""
         return len(self._held)
 
+    def in_flight(self, op_id: int) -> bool:
+        return op_id in self._ops
+
     @property
     def last_posted(self) -> int:
         """The id of the op posted last: every op posted so far has an id up to this."""

@@ -217,6 +217,11 @@ class Link:
             sge.remote_key = rs.region.key
         return sges
 
+    def take_notes(self, channel: Link) -> bool:
+        """Whether this link carries its peer's notifications itself, once the ops they follow
+        completed (shm's doorbell), with ``channel`` the way around when it cannot take one."""
+        return False
+
     def note(self, engine: Engine, data: bytes, dep: int, what: str, owner: OpOwner) -> Any:
         """Post a notification (after op ``dep`` when not 0): its waiter, None when it is
         already delivered, or ``Engine.BUSY`` when the receiving queue has no room."""

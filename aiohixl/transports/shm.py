@@ -22,17 +22,22 @@ import anyio
 from .._control import handshake as c
 from .._control.handshake import Identity, PeerInfo
 from .._loop.backends import current_backend
+from .._loop.engine import Engine, OpOwner
 from .._loop.native import ffi, lib
 from ..descriptor import RegionInfo
 from ..errors import HixlError
 from ..memory import Access
-from .base import AgentView, ControlView, Dial, Link, ListenerView, Transport
+from .base import AgentView, ControlView, Dial, Link, ListenerView, SessionView, Transport
+from .tcp import session_key
 
 # The unix socket that hands out memfds: request region u32 + key u64 +
 # session[16], answer status u8 + size u64 (+ the fd when status is FD_OK).
 _FD_REQUEST = struct.Struct("<IQ16s")
 _FD_ANSWER = struct.Struct("<BQ")
 FD_OK, FD_UNKNOWN, FD_ACCESS, FD_REFUSED = 0, 1, 2, 3
+# A request for region 0 (no region has that id) asks for the session's doorbell:
+# two fds, its ring's memfd and the initiator's end of its socket pair.
+BELL_REGION = 0
 # A connection must name a live session this soon; one process may hold this many.
 HANDSHAKE_TIMEOUT = 5.0
 MAX_PER_PID = 8
@@ -49,6 +54,43 @@ class ShmLink(Link):
         self._session = session
         self._freed = False
         self._mapped: set[int] = set()  # memfd regions mapped here
+        self.bell = False  # notes ring the target's doorbell
+        self._channel: Link | None = None  # where notes go while the ring is full
+        self._detour = 0  # the id of the last note sent the channel's way, while in flight
+
+    async def attach_bell(self) -> None:
+        """Ask the target for its doorbell; without one, notes take the native channel."""
+        async with self._uds_lock:
+            try:
+                await self._uds.send(_FD_REQUEST.pack(BELL_REGION, 0, self._session))
+                msg, fds = await self._uds.receive_fds(_FD_ANSWER.size, 2)
+            except (*c.STREAM_ERRORS, ValueError):
+                return
+        try:
+            if len(msg) == _FD_ANSWER.size and _FD_ANSWER.unpack(msg)[0] == FD_OK and len(fds) == 2:
+                self.bell = lib.hx_shm_bell(self.handle, fds[0], fds[1]) == 0
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def take_notes(self, channel: Link) -> bool:
+        self._channel = channel
+        return self.bell
+
+    def note(self, engine: Engine, data: bytes, dep: int, what: str, owner: OpOwner) -> Any:
+        assert self._channel is not None  # take_notes said yes
+        if not self._detour or not engine.in_flight(self._detour):
+            self._detour = 0
+            waiter = engine.post_with(
+                lambda op_id: lib.hx_peer_note(self.handle, op_id, dep, data, len(data)), (), what, owner, busy_ok=True
+            )
+            if waiter is not engine.BUSY:
+                return waiter
+        # The ring is full, or notes already went around it and are not all there yet.
+        waiter = self._channel.note(engine, data, dep, what, owner)
+        if waiter is not None and waiter is not engine.BUSY:
+            self._detour = engine.last_op_id
+        return waiter
 
     async def reach(self, info: RegionInfo, control: ControlView | None, what: str) -> str | None:
         if control is None:
@@ -124,6 +166,7 @@ class ShmTransport(Transport):
         self.socket_name = ""
         self._unix: Any = None
         self._per_pid: dict[int, int] = {}
+        self._bells: dict[bytes, Any] = {}  # session id -> the doorbell it rings (native)
 
     def advertise(self, me: Identity) -> None:
         me.probe = int(ffi.cast("uintptr_t", self._probe))
@@ -152,6 +195,28 @@ class ShmTransport(Transport):
             start_soon,
             f"{listener.address} (memfd socket)",
         )
+
+    def session_ended(self, session: SessionView) -> None:
+        bell = self._bells.pop(session.sid, None)
+        native = self.agent.engine.native
+        if bell is not None and native is not None:  # else the agent is gone, and its bells with it
+            lib.hx_shm_bell_close(native, bell)  # what it holds is queued first
+
+    async def _hand_out_bell(self, stream: Any, sid: bytes) -> None:
+        if sid in self._bells:
+            await stream.send(_FD_ANSWER.pack(FD_REFUSED, 0))
+            return
+        out = ffi.new("int[3]")  # ring memfd, the initiator's socket, status
+        bell = lib.hx_shm_bell_serve(self.agent.engine.native, session_key(sid), out, out + 1, out + 2)
+        if bell == ffi.NULL:
+            await stream.send(_FD_ANSWER.pack(FD_UNKNOWN, 0))
+            return
+        self._bells[sid] = bell
+        try:
+            await stream.send_fds(_FD_ANSWER.pack(FD_OK, 0), [out[0], out[1]])
+        finally:
+            os.close(out[0])
+            os.close(out[1])
 
     async def stop_serving(self) -> None:
         if self._unix is not None:
@@ -187,6 +252,9 @@ class ShmTransport(Transport):
                     await stream.send(_FD_ANSWER.pack(FD_REFUSED, 0))
                     return
                 bound = sid
+                if region_id == BELL_REGION:
+                    await self._hand_out_bell(stream, sid)
+                    continue
                 region = self.agent.live_region(region_id)
                 if region is not None and not hmac.compare_digest(_key_bytes(region.key), _key_bytes(key)):
                     region = None  # a guessed id is no region at all
@@ -251,9 +319,14 @@ class ShmTransport(Transport):
                 await uds.aclose()
             c.log.warning("aiohixl %s: shared memory unavailable (status %d)", what, status[0])
             return None
+        link = ShmLink(handle, uds, cma, info.session)
+        if uds is not None:
+            await link.attach_bell()
+        if not link.bell:
+            reasons.append("no doorbell: notifications take the native channel")
         if reasons:
             c.log.info("aiohixl %s: shared memory with fallbacks: %s", what, "; ".join(reasons))
-        return ShmLink(handle, uds, cma, info.session)
+        return link
 
 
 def _key_bytes(key: int) -> bytes:
