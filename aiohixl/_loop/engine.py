@@ -19,7 +19,7 @@ import anyio
 from ..errors import ClosedError, HixlError, TransferTimeout, WrongEventLoop
 from ..memory import Region, RegionSlice
 from ..remote import RemoteSlice
-from .backends import Backend, HeldOpFuture, current_backend
+from .backends import Backend, HeldOpFuture, PolledOpFuture, current_backend
 from .native import check, ffi, lib, status_error
 
 _post1 = lib.hx_peer_post1  # one lookup, not one per op
@@ -223,6 +223,10 @@ class Engine:
             self.loop.call_soon(self._flush_held)  # unless its first waiter flushes sooner
             waiter = self._held_first = HeldOpFuture(loop=self.loop)
             waiter.flush = self._flush_first
+        elif rc == 3:  # HX_POSTED_POLL: its answer is read when it is awaited (_poll_lone)
+            waiter = PolledOpFuture(loop=self.loop)
+            waiter.flush = self._poll_lone
+            waiter.handle = handle
         else:
             waiter = self.backend.new_waiter()  # type: ignore[union-attr]  # attached: loop is set
         if rc == 2:
@@ -236,6 +240,21 @@ class Engine:
         add_done_callback per op) would send every op alone; the loop's turn sends them."""
         if first is self._held_first and len(self._held) > 1:
             self._flush_held()
+
+    def _poll_lone(self, waiter: PolledOpFuture) -> None:
+        """A task waits for an op the transport called worth polling for (tcp: sent whole,
+        its answer the next to come): the loop would block in its selector now, then be
+        woken by the native I/O thread, itself woken by the answer. Reading the answer
+        here (the native side reads it for a few tens of microseconds at most) saves both
+        wake-ups. A burst posted behind it goes out first (its flush reads the answers).
+        Native holds the answer for this call for a millisecond at most, then reads it
+        itself: an op never awaited still ends."""
+        waiter.flush = None
+        if self._held:
+            self._flush_held()
+        if not waiter.done() and self.native is not None:
+            _flush(waiter.handle)
+            self.drain()
 
     def _flush_held(self) -> None:
         held, self._held = self._held, []
