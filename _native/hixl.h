@@ -36,10 +36,15 @@ enum { HX_OP_HOLD = 0x100 };
 /* Or'ed in with HX_OP_HOLD: a notification (hx_peer_note) follows this op at
  * once, so a transport may hold it whatever its size and send both together. */
 enum { HX_OP_NOTE_NEXT = 0x200 };
+/* Or'ed into hx_peer_post's opcode: the caller calls hx_peer_flush when it
+ * is about to wait for this op, so a transport may leave reading its answer
+ * to that call (HX_POSTED_POLL). */
+enum { HX_OP_POLL = 0x400 };
 /* hx_peer_post: HX_DONE_INLINE: the op finished inline, no completion will
  * follow; HX_POSTED_HELD: posted, and held until hx_peer_flush; HX_POSTED_POLL:
- * posted and sent whole, and its answer comes back soon enough that the caller
- * may read it itself (hx_peer_flush) rather than be woken for it. */
+ * posted with HX_OP_POLL and sent whole; its answer is left for the caller's
+ * hx_peer_flush to read (for a millisecond at most, then the transport reads
+ * it itself). */
 enum { HX_POSTED = 0, HX_DONE_INLINE = 1, HX_POSTED_HELD = 2, HX_POSTED_POLL = 3 };
 
 /* sys_errno: with HX_E_SYS, the errno of the failure, taken on the thread

@@ -61,6 +61,8 @@ static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count, bo
          * updates what it watches). Only one thread posts on a peer at a time. */
         c->polling = done_at != NULL || poll;
         c->poll_owed = 0;
+        if (c->polling)
+            tcp_update_interest(a, c); /* before the send: its answer must wake nobody */
         if (tcp_flush_budget(a, c, HX_INLINE_SEND) < 0) {
             /* The I/O thread fails this op with the rest. */
             atomic_store(&c->fail_req, HX_E_CONNLOST);
@@ -240,7 +242,7 @@ static void tcp_flush(hx_peer *p)
     if (held && c->poll_skip)
         c->poll_skip--; /* the last poll missed: answers take longer than that here */
     else
-        c->polling = (held || lone) && !T(a)->busy_ns; /* the flush below stops the I/O thread's reading meanwhile */
+        c->polling = (held || lone) && !T(a)->busy_ns; /* the flush below stops the I/O thread reading */
     if (!c->broken && tcp_flush_budget(a, c, HX_INLINE_SEND) < 0) {
         atomic_store(&c->fail_req, HX_E_CONNLOST);
         tcp_io_wake(T(a)->io);
@@ -317,8 +319,8 @@ static int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, 
 {
     conn *c = (conn *)p;
     hx_agent *a = p->agent;
-    bool hold = opcode & HX_OP_HOLD, note_next = opcode & HX_OP_NOTE_NEXT;
-    opcode &= ~(HX_OP_HOLD | HX_OP_NOTE_NEXT);
+    bool hold = opcode & HX_OP_HOLD, note_next = opcode & HX_OP_NOTE_NEXT, poll = opcode & HX_OP_POLL;
+    opcode &= ~(HX_OP_HOLD | HX_OP_NOTE_NEXT | HX_OP_POLL);
     tcp_op *op = calloc(1, sizeof *op + n * sizeof(hx_region *));
     if (!op)
         return HX_E_NOMEM;
@@ -347,7 +349,7 @@ static int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, 
         /* With its notification next, an op goes out in one sendmsg with it and
          * is answered with it: one wake-up at each end, not two. */
         hold = hold && payload <= HX_HOLD_MAX && (payload >= HX_HOLD_MIN || note_next);
-        rc = submit(a, c, first, last, count, hold, busy_ns ? &done_at : NULL, !busy_ns);
+        rc = submit(a, c, first, last, count, hold, busy_ns ? &done_at : NULL, poll && !busy_ns);
         if (rc == HX_POSTED_HELD || rc == HX_POSTED_POLL)
             return rc;
         if (rc == HX_POSTED)

@@ -23,8 +23,8 @@
 #define ANSWER_BATCH (256u * 1024u) /* target: received bytes after which queued answers go out */
 #define MORE_BATCH (1024u * 1024u)  /* the same while the initiator says more frames follow (REQ_MORE) */
 #define FLUSH_POLL_NS 30000         /* hx_peer_flush: how long it reads for the burst's answers */
-#define LONE_POLL_NS 50000          /* hx_peer_flush after HX_POSTED_POLL: how long it reads for that op's answer */
-#define POLL_SKIP 15                /* bursts (lone ops) not polled for after a poll that missed its answers */
+#define LONE_POLL_NS 50000          /* hx_peer_flush after HX_POSTED_POLL: how long it reads for the answer */
+#define POLL_SKIP 15                /* bursts (lone ops) not polled for after a poll that missed */
 
 enum { W_PUT = 1, W_GET = 2, W_CHECK = 3, W_NOTE = 4, W_PING = 5 };
 /* W_CHECK: sent before the frames of an op of more than one frame. Its
@@ -115,7 +115,7 @@ struct conn {
     uint32_t outq;
     /* initiator: frames queued, and answered (in order), under lock */
     uint64_t queued, answered;
-    bool polling;      /* a submitting thread busy-polls: the I/O thread stops watching for input */
+    bool polling; /* a submitting thread busy-polls: the I/O thread stops watching for input */
     /* An op went out HX_POSTED_POLL then: polling was set before its send, so
      * its answer is the poster's to read (hx_peer_flush); should that not come
      * within HOLD_MAX_NS, the hold timer hands reading back to the I/O thread.
