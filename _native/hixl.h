@@ -36,9 +36,16 @@ enum { HX_OP_HOLD = 0x100 };
 /* Or'ed in with HX_OP_HOLD: a notification (hx_peer_note) follows this op at
  * once, so a transport may hold it whatever its size and send both together. */
 enum { HX_OP_NOTE_NEXT = 0x200 };
+/* Or'ed into hx_peer_post's opcode: the caller calls hx_peer_flush when it
+ * is about to wait for this op, so a transport may leave reading its answer
+ * to that call (HX_POSTED_POLL). */
+enum { HX_OP_POLL = 0x400 };
 /* hx_peer_post: HX_DONE_INLINE: the op finished inline, no completion will
- * follow; HX_POSTED_HELD: posted, and held until hx_peer_flush. */
-enum { HX_POSTED = 0, HX_DONE_INLINE = 1, HX_POSTED_HELD = 2 };
+ * follow; HX_POSTED_HELD: posted, and held until hx_peer_flush; HX_POSTED_POLL:
+ * posted with HX_OP_POLL and sent whole; its answer is left for the caller's
+ * hx_peer_flush to read (for a millisecond at most, then the transport reads
+ * it itself). */
+enum { HX_POSTED = 0, HX_DONE_INLINE = 1, HX_POSTED_HELD = 2, HX_POSTED_POLL = 3 };
 
 /* sys_errno: with HX_E_SYS, the errno of the failure, taken on the thread
  * that saw it (the event loop's errno is another thread's); else 0. */
@@ -125,7 +132,9 @@ int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uin
  * single put or get from Python). */
 int hx_peer_post1(hx_peer *p, int opcode, uint64_t op_id, uint32_t local_region, uint64_t local_off,
                   uint32_t remote_region, uint64_t remote_off, uint64_t len, uint64_t remote_key);
-/* Sends the ops hx_peer_post held (HX_POSTED_HELD). */
+/* Sends the ops hx_peer_post held (HX_POSTED_HELD). After one that came back
+ * HX_POSTED_POLL, with nothing held, it reads that op's answer for a while
+ * (tcp; into the completion ring): call it just before the thread would block. */
 void hx_peer_flush(hx_peer *p);
 /* Fails the peer's queued ops with HX_E_CLOSED; ops already copying finish. */
 void hx_peer_close(hx_peer *p);

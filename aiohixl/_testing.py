@@ -8,6 +8,7 @@ from __future__ import annotations
 from ._agent.core import AgentCore
 from ._agent.peer_core import PeerCore
 from ._control.handshake import Identity
+from ._loop.backends import PolledOpFuture
 from ._loop.engine import Engine
 from ._loop.native import lib
 from .agent import Agent
@@ -26,6 +27,7 @@ __all__ = [
     "live_regions",
     "notes_link",
     "peer_tracked",
+    "polled",
     "region_info",
     "tracked_peers",
     "transport",
@@ -40,6 +42,13 @@ def engine(agent: Agent) -> Engine:
 def held_ops(agent: Agent) -> int:
     """Ops held for the burst's flush right now."""
     return engine(agent).held
+
+
+def polled(op: object) -> bool:
+    """Whether a put/get's awaitable is of an op whose answer its awaiting task reads itself
+    (HX_POSTED_POLL) and nobody has come to read yet."""
+    waiter = getattr(op, "_waiter", None)
+    return type(waiter) is PolledOpFuture and waiter.flush is not None
 
 
 def in_flight_on(agent: Agent, region: Region) -> bool:

@@ -32,7 +32,7 @@ int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uin
     int failed = atomic_load(&p->failed);
     if (failed)
         return failed;
-    int op = opcode & ~(HX_OP_HOLD | HX_OP_NOTE_NEXT);
+    int op = opcode & ~(HX_OP_HOLD | HX_OP_NOTE_NEXT | HX_OP_POLL);
     if (op != HX_OP_PUT && op != HX_OP_GET)
         return HX_E_INVAL;
     if (n == 0)

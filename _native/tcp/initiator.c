@@ -24,11 +24,16 @@ hx_peer *hx_tcp_connect_fd(hx_agent *a, int fd, int *status)
 
 /* Queues an op's frames and sends what fits on this thread: small ops go
  * out at once, the I/O thread streams the rest, so the caller's event loop
- * never waits on a big send. Frees them when the connection is gone. */
-static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count, bool hold, uint64_t *done_at)
+ * never waits on a big send. Frees them when the connection is gone. With
+ * poll_ok, an op sent whole with nothing before it unanswered is
+ * HX_POSTED_POLL (its answer is the next to come), unless the last poll
+ * missed (poll_skip). */
+static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count, bool hold, uint64_t *done_at,
+                  bool poll_ok)
 {
     int rc = HX_POSTED;
     pthread_mutex_lock(&c->lock);
+    uint64_t before = c->queued;
     if (c->broken) {
         rc = HX_E_CONNLOST;
     } else if (hold && (!done_at || c->unsent || c->answered != c->queued)) {
@@ -44,16 +49,30 @@ static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count, bo
         tcp_append_locked(c, first, last, (uint32_t)count);
         rc = HX_POSTED_HELD;
     } else {
+        /* Its answer is the next to come, and the last poll caught its answer:
+         * the poster reads it (HX_POSTED_POLL). */
+        bool poll = poll_ok && !c->unsent && c->answered == before;
+        if (poll && c->poll_skip) {
+            c->poll_skip--;
+            poll = false;
+        }
         tcp_append_locked(c, first, last, (uint32_t)count);
         /* Busy polling: the I/O thread is not woken for the answer (the flush
          * updates what it watches). Only one thread posts on a peer at a time. */
-        c->polling = done_at != NULL;
+        c->polling = done_at != NULL || poll;
+        c->poll_owed = 0;
+        if (c->polling)
+            tcp_update_interest(a, c); /* before the send: its answer must wake nobody */
         if (tcp_flush_budget(a, c, HX_INLINE_SEND) < 0) {
             /* The I/O thread fails this op with the rest. */
             atomic_store(&c->fail_req, HX_E_CONNLOST);
             tcp_io_wake(T(a)->io);
         } else if (done_at && !c->unsent) {
             *done_at = c->queued; /* all sent here: answered once this many frames are */
+        } else if (poll && !c->unsent) {
+            c->poll_owed = tcp_now_ns();
+            tcp_hold_arm(T(a)->io);
+            rc = HX_POSTED_POLL;
         } else if (c->polling) {
             c->polling = false;
             tcp_update_interest(a, c);
@@ -127,7 +146,7 @@ static int tcp_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *dat
     f->owned = copy;
     f->data = copy;
     f->datalen = len;
-    int rc = submit(p->agent, c, f, f, 1, false, NULL);
+    int rc = submit(p->agent, c, f, f, 1, false, NULL, false);
     if (rc != HX_POSTED) {
         free(copy);
         free(f);
@@ -208,19 +227,22 @@ static int check_frames(tcp_op *op, int opcode, uint64_t op_id, const hx_sge *sg
  * (over HX_INLINE_SEND) from the I/O thread. When all of it went out here,
  * the answers are read here for up to FLUSH_POLL_NS (they go to the ring):
  * on loopback they mostly arrive within that, and two wake-ups (the I/O
- * thread's, then the event loop's) are saved. Not in the latency mode,
- * where the I/O thread polls already. */
+ * thread's, then the event loop's) are saved. With nothing held, the answer
+ * of an op submit called HX_POSTED_POLL is read for up to LONE_POLL_NS: the
+ * event loop would block for it otherwise. Not in the latency mode, where
+ * the I/O thread polls already. */
 static void tcp_flush(hx_peer *p)
 {
     conn *c = (conn *)p;
     hx_agent *a = p->agent;
     pthread_mutex_lock(&c->lock);
     uint64_t done_at = 0;
-    bool held = c->unsent != NULL;
+    bool held = c->unsent != NULL, lone = !held && c->answered < c->queued;
+    c->poll_owed = 0; /* this thread reads now, or hands reading back below */
     if (held && c->poll_skip)
         c->poll_skip--; /* the last poll missed: answers take longer than that here */
     else
-        c->polling = held && !T(a)->busy_ns; /* the flush below stops the I/O thread's reading meanwhile */
+        c->polling = (held || lone) && !T(a)->busy_ns; /* the flush below stops the I/O thread reading */
     if (!c->broken && tcp_flush_budget(a, c, HX_INLINE_SEND) < 0) {
         atomic_store(&c->fail_req, HX_E_CONNLOST);
         tcp_io_wake(T(a)->io);
@@ -234,7 +256,7 @@ static void tcp_flush(hx_peer *p)
     pthread_mutex_unlock(&c->lock);
     if (!done_at)
         return;
-    poll_answer(a, c, 0, done_at, FLUSH_POLL_NS);
+    poll_answer(a, c, 0, done_at, lone ? LONE_POLL_NS : FLUSH_POLL_NS);
     /* A peer whose answers take longer (another host) is not polled for
      * again until POLL_SKIP bursts later: the wait would only cost the loop. */
     pthread_mutex_lock(&c->lock);
@@ -297,8 +319,8 @@ static int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, 
 {
     conn *c = (conn *)p;
     hx_agent *a = p->agent;
-    bool hold = opcode & HX_OP_HOLD, note_next = opcode & HX_OP_NOTE_NEXT;
-    opcode &= ~(HX_OP_HOLD | HX_OP_NOTE_NEXT);
+    bool hold = opcode & HX_OP_HOLD, note_next = opcode & HX_OP_NOTE_NEXT, poll = opcode & HX_OP_POLL;
+    opcode &= ~(HX_OP_HOLD | HX_OP_NOTE_NEXT | HX_OP_POLL);
     tcp_op *op = calloc(1, sizeof *op + n * sizeof(hx_region *));
     if (!op)
         return HX_E_NOMEM;
@@ -327,8 +349,8 @@ static int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, 
         /* With its notification next, an op goes out in one sendmsg with it and
          * is answered with it: one wake-up at each end, not two. */
         hold = hold && payload <= HX_HOLD_MAX && (payload >= HX_HOLD_MIN || note_next);
-        rc = submit(a, c, first, last, count, hold, busy_ns ? &done_at : NULL);
-        if (rc == HX_POSTED_HELD)
+        rc = submit(a, c, first, last, count, hold, busy_ns ? &done_at : NULL, poll && !busy_ns);
+        if (rc == HX_POSTED_HELD || rc == HX_POSTED_POLL)
             return rc;
         if (rc == HX_POSTED)
             return done_at ? poll_answer(a, c, op_id, done_at, busy_ns) : HX_POSTED;

@@ -43,9 +43,25 @@ void tcp_hold_arm(tcp_io *io)
     pthread_mutex_unlock(&io->hold_lock);
 }
 
+/* An answer owed to a poster that has not come for it within HOLD_MAX_NS
+ * (its event loop is busy, or nobody awaits the op) is the I/O thread's to
+ * read again. Caller holds c->lock. Returns when that is due (0: nothing owed). */
+static uint64_t reclaim_poll(hx_agent *a, conn *c, uint64_t now)
+{
+    if (!c->poll_owed)
+        return 0;
+    if (c->poll_owed > now || now - c->poll_owed < HOLD_MAX_NS)
+        return c->poll_owed + HOLD_MAX_NS;
+    c->poll_owed = 0;
+    c->polling = false;
+    tcp_update_interest(a, c);
+    return 0;
+}
+
 /* The hold timer fired: what was held longer than HOLD_MAX_NS (its event
- * loop, which was to flush it, is busy) goes out from here; the timer is set
- * again for the oldest put held for less. */
+ * loop, which was to flush it, is busy) goes out from here, and answers owed
+ * to posters that long are read here again; the timer is set again for the
+ * oldest put held (answer owed) for less. */
 static void flush_held(hx_agent *a)
 {
     tcp_agent *t = T(a);
@@ -59,6 +75,8 @@ static void flush_held(hx_agent *a)
         if (c->target || c->broken)
             continue;
         pthread_mutex_lock(&c->lock);
+        uint64_t owed = reclaim_poll(a, c, now);
+        next = owed && (!next || owed < next) ? owed : next;
         /* held_since may be later than now: set by a post since now was read */
         if (c->unsent && c->held_since && (c->held_since > now || now - c->held_since < HOLD_MAX_NS)) {
             uint64_t due = c->held_since + HOLD_MAX_NS;

@@ -23,7 +23,8 @@
 #define ANSWER_BATCH (256u * 1024u) /* target: received bytes after which queued answers go out */
 #define MORE_BATCH (1024u * 1024u)  /* the same while the initiator says more frames follow (REQ_MORE) */
 #define FLUSH_POLL_NS 30000         /* hx_peer_flush: how long it reads for the burst's answers */
-#define POLL_SKIP 15                /* bursts not polled for after a poll that missed its answers */
+#define LONE_POLL_NS 50000          /* hx_peer_flush after HX_POSTED_POLL: how long it reads for the answer */
+#define POLL_SKIP 15                /* bursts (lone ops) not polled for after a poll that missed */
 
 enum { W_PUT = 1, W_GET = 2, W_CHECK = 3, W_NOTE = 4, W_PING = 5 };
 /* W_CHECK: sent before the frames of an op of more than one frame. Its
@@ -114,7 +115,12 @@ struct conn {
     uint32_t outq;
     /* initiator: frames queued, and answered (in order), under lock */
     uint64_t queued, answered;
-    bool polling;      /* a submitting thread busy-polls: the I/O thread stops watching for input */
+    bool polling; /* a submitting thread busy-polls: the I/O thread stops watching for input */
+    /* An op went out HX_POSTED_POLL then: polling was set before its send, so
+     * its answer is the poster's to read (hx_peer_flush); should that not come
+     * within HOLD_MAX_NS, the hold timer hands reading back to the I/O thread.
+     * 0 once a poll or another submit took over (under lock). */
+    uint64_t poll_owed;
     uint8_t poll_skip; /* bursts before hx_peer_flush polls for answers again (under lock) */
     bool tx_io;        /* the I/O thread is in a sendmsg without the lock (tcp_flush_io) */
     uint32_t events;

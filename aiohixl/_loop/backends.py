@@ -60,7 +60,15 @@ class Op:
         self._steps: Any = None
 
     def __await__(self) -> Any:
-        return self._waiter.__await__()
+        return self._waiter_steps()
+
+    def _waiter_steps(self) -> Any:
+        waiter = self._waiter
+        if type(waiter) is PolledOpFuture and waiter.flush is not None:
+            # Read the answer before the task yields: when it is in, awaiting ends
+            # without a turn of the loop.
+            waiter.flush(waiter)
+        return waiter.__await__()
 
     def done(self) -> bool:
         """Whether awaiting it returns at once: the op ended (or the Task awaiting it was
@@ -70,7 +78,7 @@ class Op:
     def send(self, value: Any) -> Any:
         steps = self._steps
         if steps is None:
-            steps = self._steps = self._waiter.__await__()
+            steps = self._steps = self._waiter_steps()
         return steps.send(value)
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
@@ -139,6 +147,14 @@ class HeldOpFuture(asyncio.Future):
                     {"message": "aiohixl: flushing a held burst failed", "exception": exc, "future": self}
                 )
         super().add_done_callback(fn, context=context)
+
+
+class PolledOpFuture(HeldOpFuture):
+    """The Future of a lone op whose answer its loop reads itself (tcp): the first
+    callback attached (the awaiting Task's) calls ``flush`` (the engine's poll), which may
+    resolve it before the loop turns."""
+
+    handle: Any = None  # the native peer that reads the answer
 
 
 class AsyncioBackend(Backend):

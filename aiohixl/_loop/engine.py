@@ -19,12 +19,13 @@ import anyio
 from ..errors import ClosedError, HixlError, TransferTimeout, WrongEventLoop
 from ..memory import Region, RegionSlice
 from ..remote import RemoteSlice
-from .backends import Backend, HeldOpFuture, current_backend
+from .backends import Backend, HeldOpFuture, PolledOpFuture, current_backend
 from .native import check, ffi, lib, status_error
 
 _post1 = lib.hx_peer_post1  # one lookup, not one per op
 _flush = lib.hx_peer_flush
 _HOLD = lib.HX_OP_HOLD
+_POLL = lib.HX_OP_POLL
 
 __all__ = ["Engine"]
 
@@ -59,6 +60,7 @@ class Engine:
         self.loop: Any = None  # the asyncio loop attached to (the fast path posts at the call), else None
         self.loop_is_base = False  # it is asyncio's own loop: its _thread_id says which thread runs it
         self._hold = 0  # HX_OP_HOLD where the loop can run the flush (asyncio: call_soon)
+        self._poll = 0  # HX_OP_POLL where a waiter can read its answer as it is awaited (asyncio)
         # Or'ed into a lone put that its notification follows at once (Peer): held to go out with it.
         self.note_next = 0
         self._burst = False  # the last flush sent more than one op
@@ -134,7 +136,7 @@ class Engine:
     def closing(self) -> None:
         """The agent closes: nothing is posted at the call any more (Peer's checked path says why)."""
         self.loop = None
-        self._hold = self.note_next = 0
+        self._hold = self._poll = self.note_next = 0
 
     @property
     def full(self) -> bool:
@@ -154,6 +156,7 @@ class Engine:
             if backend.name == "asyncio":
                 self.loop = backend.loop  # type: ignore[attr-defined]
                 self._hold = _HOLD
+                self._poll = _POLL
                 self.note_next = _HOLD | lib.HX_OP_NOTE_NEXT
                 self.loop_is_base = isinstance(self.loop, asyncio.BaseEventLoop) and hasattr(self.loop, "_thread_id")
         elif not backend.is_current():
@@ -196,10 +199,14 @@ class Engine:
         """
         op_id = self.last_op_id = self._next_id
         self._next_id += 1
-        rc = lib.hx_peer_post(handle, opcode, op_id, sges, n)
+        rc = lib.hx_peer_post(handle, opcode | self._poll, op_id, sges, n)
         if rc == 1:  # HX_DONE_INLINE
             self.completed += 1
             return None
+        if rc == 3:  # HX_POSTED_POLL
+            waiter = self._polled(handle)
+            self._ops[op_id] = (waiter, keep, what, owner)
+            return waiter
         return self._track(op_id, rc, keep, what, owner)
 
     def post1(self, handle: Any, opcode: int, rs: RemoteSlice, ls: RegionSlice, what: str, owner: OpOwner) -> Any:
@@ -215,8 +222,8 @@ class Engine:
         op_id = self.last_op_id = self._next_id
         self._next_id = op_id + 1
         ops = self._ops
-        hold = self._hold if self._burst or ops else 0
-        rc = _post1(handle, opcode | hold, op_id, region.id, ls.offset, rr.id, rs.offset, rs.nbytes, rr.key)
+        flags = self._hold | self._poll if self._burst or ops else self._poll
+        rc = _post1(handle, opcode | flags, op_id, region.id, ls.offset, rr.id, rs.offset, rs.nbytes, rr.key)
         if rc == 1:  # HX_DONE_INLINE
             self.completed += 1
             return None
@@ -226,6 +233,8 @@ class Engine:
             self.loop.call_soon(self._flush_held)  # unless its first waiter flushes sooner
             waiter = self._held_first = HeldOpFuture(loop=self.loop)
             waiter.flush = self._flush_first
+        elif rc == 3:  # HX_POSTED_POLL: its answer is read when it is awaited (_poll_lone)
+            waiter = self._polled(handle)
         else:
             waiter = self.backend.new_waiter()  # type: ignore[union-attr]  # attached: loop is set
         if rc == 2:
@@ -239,6 +248,27 @@ class Engine:
         add_done_callback per op) would send every op alone; the loop's turn sends them."""
         if first is self._held_first and len(self._held) > 1:
             self._flush_held()
+
+    def _polled(self, handle: Any) -> PolledOpFuture:
+        waiter = PolledOpFuture(loop=self.loop)
+        waiter.flush = self._poll_lone
+        waiter.handle = handle
+        return waiter
+
+    def _poll_lone(self, waiter: PolledOpFuture) -> None:
+        """A task waits for an op the transport called worth polling for (tcp: sent whole,
+        its answer the next to come): the loop would block in its selector now, then be
+        woken by the native I/O thread, itself woken by the answer. Reading the answer
+        here (the native side reads it for a few tens of microseconds at most) saves both
+        wake-ups. A burst posted behind it goes out first (its flush reads the answers).
+        Native holds the answer for this call for a millisecond at most, then reads it
+        itself: an op never awaited still ends."""
+        waiter.flush = None
+        if self._held:
+            self._flush_held()
+        if not waiter.done() and self.native is not None:
+            _flush(waiter.handle)
+            self.drain()
 
     def _flush_held(self) -> None:
         held, self._held = self._held, []
