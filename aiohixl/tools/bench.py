@@ -189,6 +189,53 @@ async def _loop_lag(stop: asyncio.Event) -> float:
     return worst
 
 
+def _loop_thread_cpu() -> float:
+    """Seconds the calling thread has run on a CPU (Linux schedstat; 0 elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[0]) * 1e-9
+    except OSError:
+        return 0.0
+
+
+async def _first_allocate_stall(size: int) -> tuple[float, float]:
+    """The issue's probe: a fresh process's first ``allocate_async(size)`` with 1 ms
+    ``asyncio.sleep``s beside it: (the longest overrun, the most CPU time the loop thread
+    spent in one of those sleeps), in seconds. The second is the loop's own work; an overrun
+    with little of it was the loop waiting for a CPU (a busy host), not working."""
+    worst = [0.0, 0.0]
+    done = False
+
+    async def probe() -> None:
+        while not done:
+            t, cpu = time.perf_counter(), _loop_thread_cpu()
+            await asyncio.sleep(0.001)
+            worst[0] = max(worst[0], time.perf_counter() - t - 0.001)
+            worst[1] = max(worst[1], _loop_thread_cpu() - cpu)
+
+    async with aiohixl.Agent("bench-stall") as agent:
+        task = asyncio.create_task(probe())
+        await asyncio.sleep(0.01)  # the probe runs before the call starts
+        region = await agent.allocate_async(size)
+        done = True
+        await task
+        await region.close()
+    return worst[0], worst[1]
+
+
+def _first_allocate_stall_in_child(size: int) -> tuple[float, float]:
+    """_first_allocate_stall in a process of its own: nothing started or warmed before it."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-m", "aiohixl.tools.bench", "--stall-probe", str(size)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    return float(out[-2]), float(out[-1])
+
+
 def _keep_max(row: dict[str, float], key: str, value: float) -> None:
     row[key] = max(row.get(key, value), value)
 
@@ -231,6 +278,9 @@ async def registration(sizes: tuple[int, ...], progress: Progress) -> dict[str, 
                 keep("allocate_async_max_stall_ms", await task * 1e3)
                 await region.close()
                 del region
+                stall, cpu = _first_allocate_stall_in_child(size)
+                keep("first_allocate_stall_ms", stall * 1e3)
+                keep("first_allocate_stall_cpu_ms", cpu * 1e3)
             out[f"{size >> 20} MiB" if size < (1 << 30) else f"{size >> 30} GiB"] = row
             progress.step(f"registration {size >> 20} MiB")
     return out
@@ -731,6 +781,12 @@ def render(r: Results) -> str:
                 f" ({v['allocate_async_gibps'] / v['populate_memfd_gibps']:.2f}x), longest event-loop stall"
                 f" {v['allocate_async_max_stall_ms']:.1f} ms"
             )
+            if "first_allocate_stall_ms" in v:
+                lines.append(
+                    "           a fresh process's first allocate_async, 1 ms asyncio.sleep probe beside it:"
+                    f" longest stall {v['first_allocate_stall_ms']:.1f} ms; the loop's own work in one"
+                    f" probe at most {v['first_allocate_stall_cpu_ms']:.1f} ms (the rest: waiting for a CPU)"
+                )
     flagged = 0
     for name, t in r.transports.items():
         lines += ["", f"{name} (path: {t['path']}):", "  latency            median      p99"]
@@ -953,10 +1009,14 @@ def main(argv: list[str] | None = None) -> int:
         help="also run NIXL (nixl-cu12) and Mooncake (mooncake-transfer-engine-non-cuda) when installed",
     )
     p.add_argument("--serve", type=int, metavar="BYTES", help=argparse.SUPPRESS)
+    p.add_argument("--stall-probe", type=int, metavar="BYTES", help=argparse.SUPPRESS)
     p.add_argument("--serve-busy-poll", type=int, default=0, metavar="US", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib: pip install 'aiohixl[plot]'")  # before a bench it could not draw
+    if args.stall_probe:
+        print(*asyncio.run(_first_allocate_stall(args.stall_probe)))
+        return 0
     if args.serve:
         asyncio.run(serve(args.serve, args.serve_busy_poll))
         return 0
