@@ -395,7 +395,8 @@ async def bandwidth(
             for r, l in ranges:
                 await peer.put(r, l)
             if then_gather_done:
-                await asyncio.gather(*[DoneOp() for _ in ranges])
+                done: list[Any] = [DoneOp() for _ in ranges]
+                await asyncio.gather(*done)
         elif in_turn:
             for op in [peer.put(r, l) for r, l in ranges]:
                 await op
