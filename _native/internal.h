@@ -211,8 +211,6 @@ void hx_pool_stop(hx_agent *a);
 void hx_pool_submit(hx_agent *a, hx_task *first, hx_task *last);
 /* Runs one task on the calling thread, as a pool thread would. */
 void hx_pool_run(hx_agent *a, hx_task *t);
-/* Runs the still-queued tasks of op op_id on the calling thread, until none is. */
-void hx_pool_help(hx_agent *a, uint64_t op_id);
 void hx_pool_fail_peer(hx_agent *a, uint64_t peer_id, int status);
 
 /* core/copy.c: an op whose remote memory is in `remote` (mapped here, or

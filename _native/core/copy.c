@@ -241,8 +241,8 @@ static hx_task *split_into_tasks(const copy_op *o, int pid, int opcode, const hx
     return first;
 }
 
-/* Shares the op with the pool's threads; this thread copies the first piece,
- * then whichever of the op's pieces no pool thread has taken yet. HX_POSTED
+/* Shares the op with the pool's threads; this thread copies the first piece
+ * only: it is the event loop's, which the rest of the op would stall. HX_POSTED
  * (the pool completes the op), or HX_E_NOMEM with the regions released. */
 static int run_on_pool(hx_agent *a, copy_op *o, int pid, int opcode, const hx_sge *sges, uint32_t n,
                        uint64_t piece)
@@ -264,13 +264,10 @@ static int run_on_pool(hx_agent *a, copy_op *o, int pid, int opcode, const hx_sg
         return HX_E_NOMEM;
     }
     atomic_init(&o->job->remaining, count);
-    uint64_t op_id = o->job->op_id;
     o->job = NULL; /* owned by the pool now */
     if (mine->next)
         hx_pool_submit(a, mine->next, last);
     hx_pool_run(a, mine);
-    if (count > 1)
-        hx_pool_help(a, op_id);
     return HX_POSTED;
 }
 

@@ -119,37 +119,6 @@ int hx_prefault_post(hx_agent *a, uint64_t op_id, void *addr, uint64_t len, int 
     return HX_POSTED;
 }
 
-/* The first queued task of op op_id, taken off the queue; NULL if none. A
- * queued task's job is alive: it ends only with its last task. */
-static hx_task *take_task_of(hx_agent *a, uint64_t op_id)
-{
-    hx_task *prev = NULL;
-    for (hx_task *t = a->task_head; t; prev = t, t = t->next) {
-        if (t->job->op_id != op_id)
-            continue;
-        if (prev)
-            prev->next = t->next;
-        else
-            a->task_head = t->next;
-        if (a->task_tail == t)
-            a->task_tail = prev;
-        return t;
-    }
-    return NULL;
-}
-
-void hx_pool_help(hx_agent *a, uint64_t op_id)
-{
-    for (;;) {
-        pthread_mutex_lock(&a->pool_lock);
-        hx_task *t = a->closing ? NULL : take_task_of(a, op_id); /* closing: the pool fails them */
-        pthread_mutex_unlock(&a->pool_lock);
-        if (!t)
-            return;
-        hx_pool_run(a, t);
-    }
-}
-
 void hx_pool_submit(hx_agent *a, hx_task *first, hx_task *last)
 {
     pthread_mutex_lock(&a->pool_lock);
