@@ -13,6 +13,8 @@ from aiohixl import Access
 from aiohixl import _testing as hooks
 from aiohixl.descriptor import decode
 
+from .waiting import wait_until
+
 
 @pytest.mark.parametrize(
     "make",
@@ -153,8 +155,7 @@ async def test_allocate_async_lets_the_loop_run_and_returns_a_faulted_region(age
 
 async def _until_populating(agent):
     """Until allocate_async's populate is posted: an op in flight that no region names."""
-    while hooks.engine(agent).outstanding == 0:
-        await asyncio.sleep(0)
+    await wait_until(lambda: hooks.engine(agent).outstanding > 0, what="the populate posted")
 
 
 async def test_allocate_async_cancelled_while_populating_returns_once_the_native_side_is_done(agent):
