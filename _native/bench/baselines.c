@@ -14,7 +14,6 @@
 #include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
-#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -194,12 +193,8 @@ typedef struct copier {
     uint8_t *dst; /* KIND_PVW: an address in that process */
     const uint8_t *src;
     uint64_t size, piece;
-    int pieces;     /* threads sharing each copy (the caller among them) */
-    uint64_t chunk; /* what a thread takes at a time: the next one not taken */
-    int chunks;
-    atomic_int next[2]; /* the next chunk of even and odd copies */
-    uint64_t copy;      /* the caller's count of copies: which of next[] */
-    uint64_t iters;     /* copies in the next batch */
+    int pieces;
+    uint64_t iters; /* copies in the next batch */
     int stop;
     int ready; /* the barriers are set up: workers may start */
     pthread_mutex_t lock;
@@ -213,10 +208,10 @@ typedef struct {
     int index;
 } worker_arg;
 
-static void copy_chunk(copier *c, int k)
+static void copy_piece(copier *c, int k)
 {
-    uint64_t off = (uint64_t)k * c->chunk;
-    uint64_t len = c->size - off < c->chunk ? c->size - off : c->chunk;
+    uint64_t off = (uint64_t)k * c->piece;
+    uint64_t len = c->size - off < c->piece ? c->size - off : c->piece;
     if (c->kind == KIND_MEMCPY) {
         memcpy(c->dst + off, c->src + off, len);
         /* The copy is an observable effect: it cannot be elided. */
@@ -238,23 +233,10 @@ static void copy_chunk(copier *c, int k)
     }
 }
 
-/* Copy number `copy`, shared as aiohixl's copy engine shares a put: each
- * thread takes the next chunk no one has taken until none is left. All
- * threads passed the barrier after copy - 1 before anyone starts this one, so
- * the caller may reset the other counter for copy + 1 now. */
-static void copy_share(copier *c, uint64_t copy, bool caller)
-{
-    if (caller)
-        atomic_store(&c->next[(copy + 1) & 1], 0);
-    for (int k; (k = atomic_fetch_add(&c->next[copy & 1], 1)) < c->chunks;)
-        copy_chunk(c, k);
-}
-
 static void *copy_worker(void *p)
 {
     worker_arg *w = p;
     copier *c = w->c;
-    uint64_t copy = 0;
     pthread_mutex_lock(&c->lock);
     while (!c->ready)
         pthread_cond_wait(&c->cond, &c->lock);
@@ -269,7 +251,7 @@ static void *copy_worker(void *p)
          * leaves this batch's last barrier. */
         uint64_t iters = c->iters;
         for (uint64_t i = 0; i < iters; i++) {
-            copy_share(c, copy++, false);
+            copy_piece(c, w->index);
             pthread_barrier_wait(&c->step);
         }
     }
@@ -283,7 +265,7 @@ static double copy_batch(copier *c, uint64_t iters)
         pthread_barrier_wait(&c->go);
     double t0 = now();
     for (uint64_t i = 0; i < iters; i++) {
-        copy_share(c, c->copy++, true);
+        copy_piece(c, 0);
         if (c->pieces > 1)
             pthread_barrier_wait(&c->step); /* the copy is done when its last piece is */
     }
@@ -330,12 +312,6 @@ static void copy_cut(copier *c, int threads, uint64_t min_piece)
     piece = (piece + 4095) & ~(uint64_t)4095;
     c->piece = piece;
     c->pieces = (int)((c->size + piece - 1) / piece);
-    /* As copy.c's HX_COPY_SHARES: four chunks a thread, at least min_piece. */
-    uint64_t chunk = c->pieces == 1 ? c->size : c->size / ((uint64_t)c->pieces * 4) + 1;
-    if (chunk < min_piece)
-        chunk = min_piece;
-    c->chunk = (chunk + 4095) & ~(uint64_t)4095;
-    c->chunks = (int)((c->size + c->chunk - 1) / c->chunk);
 }
 
 static void copy_open_gate(copier *c)
