@@ -219,6 +219,11 @@ hx_peer *hx_verbs_raw_peer_new(hx_agent *a, uint32_t *qpn, uint32_t *psn, int *s
  * page faults: the kernel's bulk populate over up to `threads` threads, else
  * page by page (returns 1 then, 0 when the bulk populate did it). Blocks. */
 int hx_prefault(void *addr, uint64_t len, int write, int threads);
+/* hx_prefault on one of the agent's copy threads, completed through the ring
+ * as op_id (HX_OK; HX_E_CLOSED if the agent shut down before it started).
+ * The memory must stay mapped until that completion: the thread touches it
+ * until then. HX_POSTED, or HX_E_NOMEM with nothing started. */
+int hx_prefault_post(hx_agent *a, uint64_t op_id, void *addr, uint64_t len, int write, int threads);
 /* Counters kept natively per agent (relaxed atomics, one add per post and
  * per failure), read in one call. transports[t], t in the order of
  * hx_transport_name(t): ops posted through this agent's peers of that

@@ -40,7 +40,9 @@ struct hx_registry {
 };
 
 /* A unit of copying for the pool: one piece of one job. With pid != 0 the
- * remote end (dst for a put, src for a get) is in process pid. */
+ * remote end (dst for a put, src for a get) is in process pid. A task of
+ * opcode HX_TASK_POPULATE faults dst[0, len) in over up to pid threads
+ * (src non-NULL: for writing), hx_prefault's work off the caller's thread. */
 typedef struct hx_task {
     struct hx_task *next;
     struct hx_job *job;
@@ -50,6 +52,8 @@ typedef struct hx_task {
     int pid;
     int opcode;
 } hx_task;
+
+enum { HX_TASK_POPULATE = 16 }; /* not an hx_peer_post opcode */
 
 /* One op on the copy pool: completes when its last task is done. */
 typedef struct hx_job {

@@ -13,6 +13,8 @@ from aiohixl import Access
 from aiohixl import _testing as hooks
 from aiohixl.descriptor import decode
 
+from .waiting import wait_until
+
 
 @pytest.mark.parametrize(
     "make",
@@ -149,6 +151,36 @@ async def test_allocate_async_lets_the_loop_run_and_returns_a_faulted_region(age
     assert bytes(pool[: 1 << 20].memory) == bytes(src.memory)
     user = await agent.register_async(np.zeros(64 << 20, dtype=np.uint8))
     assert _resident_pages(user.address & ~(mmap.PAGESIZE - 1), user.nbytes) >= user.nbytes // mmap.PAGESIZE
+
+
+async def _until_populating(agent):
+    """Until allocate_async's populate is posted: an op in flight that no region names."""
+    await wait_until(lambda: hooks.engine(agent).outstanding > 0, what="the populate posted")
+
+
+async def test_allocate_async_cancelled_while_populating_returns_once_the_native_side_is_done(agent):
+    task = asyncio.create_task(agent.allocate_async(512 << 20))
+    await _until_populating(agent)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # The cancellation is raised only after the populate's completion: nothing native touches
+    # the memory it unmapped, and the agent goes on.
+    assert hooks.engine(agent).outstanding == 0
+    assert hooks.live_regions(agent) == []
+    region = await agent.allocate_async(1 << 20)
+    assert _resident_pages(region.address, region.nbytes) == region.nbytes // mmap.PAGESIZE
+
+
+async def test_agent_closed_while_allocate_async_populates():
+    agent = aiohixl.Agent("closing")
+    await agent.start()
+    task = asyncio.create_task(agent.allocate_async(512 << 20))
+    await _until_populating(agent)
+    await agent.aclose()  # waits for the copy thread that populates
+    with pytest.raises(aiohixl.ClosedError):
+        await task
+    assert hooks.engine(agent).outstanding == 0
 
 
 async def test_slicing(agent):

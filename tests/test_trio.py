@@ -111,3 +111,23 @@ def test_two_process_put_get_on_trio(transports):
             await target.aclose()
 
     run(main)
+
+
+def test_allocate_async_on_trio_cancelled_while_populating():
+    """Cancelled, allocate_async returns only once the copy thread's populate has completed."""
+    from aiohixl import _testing as hooks
+
+    async def main():
+        async with aiohixl.Agent("trio") as agent:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(agent.allocate_async, 512 << 20)
+                    await wait_until(lambda: hooks.engine(agent).outstanding > 0)
+                    scope.cancel()
+            assert hooks.engine(agent).outstanding == 0
+            assert hooks.live_regions(agent) == []
+            region = await agent.allocate_async(1 << 20)
+            region.memory[:4] = b"abcd"
+            assert bytes(region.memory[:4]) == b"abcd"
+
+    run(main)

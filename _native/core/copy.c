@@ -17,6 +17,11 @@
 #define HX_INLINE_CMA_MAX (256u * 1024u)
 /* Larger copies are shared by the pool's threads and the caller. */
 #define HX_COPY_PIECE_MIN (1024u * 1024u)
+/* Pieces per thread: with one piece each, a thread that waits for a CPU (more
+ * threads than CPUs: two copy threads and the caller on 2 vCPUs) copies its
+ * piece alone after the others, and a 64 MiB put took twice one piece's time;
+ * smaller pieces go to whichever thread is free. */
+#define HX_COPY_SHARES 4u
 /* Submissions of up to this many pieces keep their bookkeeping on the stack. */
 #define HX_STACK_SGES 4u
 
@@ -191,12 +196,12 @@ static int run_inline(copy_op *o, int pid, int opcode, const hx_sge *sges, uint3
 }
 
 /* Pieces for the pool's threads and for this thread, which would otherwise
- * only wait: one share each, at least HX_COPY_PIECE_MIN, in whole pages. */
+ * only wait: HX_COPY_SHARES each, at least HX_COPY_PIECE_MIN, in whole pages. */
 static uint64_t piece_size(uint64_t total, uint32_t nthreads, bool overlap)
 {
     if (overlap)
         return total; /* one memmove: pieces copied in parallel would read bytes already overwritten */
-    uint64_t piece = total / (nthreads + 1) + 1;
+    uint64_t piece = total / ((uint64_t)(nthreads + 1) * HX_COPY_SHARES) + 1;
     if (piece < HX_COPY_PIECE_MIN)
         piece = HX_COPY_PIECE_MIN;
     return (piece + 4095) & ~(uint64_t)4095;
@@ -236,9 +241,9 @@ static hx_task *split_into_tasks(const copy_op *o, int pid, int opcode, const hx
     return first;
 }
 
-/* Shares the op with the pool's threads; this thread copies the first piece.
- * HX_POSTED (the pool completes the op), or HX_E_NOMEM with the regions
- * released. */
+/* Shares the op with the pool's threads; this thread copies the first piece
+ * only: it is the event loop's, which the rest of the op would stall. HX_POSTED
+ * (the pool completes the op), or HX_E_NOMEM with the regions released. */
 static int run_on_pool(hx_agent *a, copy_op *o, int pid, int opcode, const hx_sge *sges, uint32_t n,
                        uint64_t piece)
 {

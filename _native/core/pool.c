@@ -10,7 +10,7 @@ static void job_release(hx_agent *a, hx_job *job)
     /* Regions are released before the completion is seen, so a region close
      * that waits on the completion never waits on a still-busy region. */
     int status = atomic_load(&job->status);
-    if (status != HX_OK)
+    if (status != HX_OK && job->nregions) /* a populate (no regions) is no transport's op */
         hx_stat_error(a, job->transport);
     hx_complete(a, job->op_id, status);
     free(job);
@@ -88,8 +88,36 @@ void hx_pool_run(hx_agent *a, hx_task *t)
     int failed = job->peer_failed ? atomic_load(job->peer_failed) : 0;
     if (failed)
         finish_task(a, t, failed);
-    else
+    else if (t->opcode == HX_TASK_POPULATE) {
+        hx_prefault(t->dst, t->len, t->src != NULL, t->pid); /* 1 (touched page by page) is done too */
+        finish_task(a, t, HX_OK);
+    } else
         finish_task(a, t, hx_copy_run(t->opcode, t->pid, t->dst, t->src, t->len));
+}
+
+/* A native thread that already runs: starting one from Python (a worker
+ * thread) stalled the event loop for tens of ms, as long as the new thread
+ * took to be scheduled on a busy host. */
+int hx_prefault_post(hx_agent *a, uint64_t op_id, void *addr, uint64_t len, int write, int threads)
+{
+    hx_job *job = calloc(1, sizeof *job);
+    hx_task *t = calloc(1, sizeof *t);
+    if (!job || !t) {
+        free(job);
+        free(t);
+        return HX_E_NOMEM;
+    }
+    job->op_id = op_id;
+    atomic_init(&job->status, HX_OK);
+    atomic_init(&job->remaining, 1);
+    *t = (hx_task){.job = job,
+                   .dst = addr,
+                   .src = write ? addr : NULL,
+                   .len = len,
+                   .pid = threads,
+                   .opcode = HX_TASK_POPULATE};
+    hx_pool_submit(a, t, t);
+    return HX_POSTED;
 }
 
 void hx_pool_submit(hx_agent *a, hx_task *first, hx_task *last)

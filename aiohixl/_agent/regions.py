@@ -8,8 +8,6 @@ import secrets
 from functools import partial
 from typing import Any, Protocol
 
-import anyio
-
 from .._control.listener import Listener
 from .._loop.backends import Backend
 from .._loop.engine import Engine
@@ -85,11 +83,23 @@ class Regions:
         lib.hx_prefault(ffi.cast("void *", pinned.address), pinned.nbytes, write, threads or self._core.threads)
 
     async def prefault_off_loop(self, pinned: Pinned, what: str) -> None:
+        """``prefault`` on a copy thread, completed through the ring: no Python thread to
+        start (which stalled the loop), and the memory held until the native side is done."""
         # One core is left to the event loop, which must not stall meanwhile.
         threads = max(1, min(self._core.threads, (os.cpu_count() or 1) - 1))
+        engine = self._core.engine
+        write = 0 if pinned.readonly else 1
+        address = ffi.cast("void *", pinned.address)
         try:
-            with anyio.CancelScope(shield=True):  # the thread cannot be stopped: the memory stays pinned until done
-                await anyio.to_thread.run_sync(self.prefault, pinned, threads)
+            await engine.admit(what)
+            self._core.check_open(what)
+            waiter = engine.post_with(
+                lambda op_id: lib.hx_prefault_post(engine.native, op_id, address, pinned.nbytes, write, threads),
+                (pinned,),
+                what,
+            )
+            # Cancelled or not, the thread touches the pages until its completion: released after it.
+            await engine.attach(what).wait_to_end(waiter)
             self._core.check_open(what)
         except BaseException:
             pinned.release()

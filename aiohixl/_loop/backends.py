@@ -37,6 +37,10 @@ class Backend:
         cancellation, which is raised once it is done: what it releases is released
         when the caller goes on."""
 
+    async def wait_to_end(self, waiter: Any) -> None:
+        """``wait(waiter)``, to its end even through a cancellation, which is raised once it
+        has resolved: the native side is done with what the op touches when this returns."""
+
     def is_current(self) -> bool:
         """Whether the caller runs in the event loop (trio run) this backend was made in."""
         return True
@@ -195,21 +199,24 @@ class AsyncioBackend(Backend):
         await waiter
 
     async def run_to_end(self, fn: Callable[..., Any], *args: Any) -> Any:
-        # A shielded anyio scope does not hold off a native Task.cancel(): a task of its own does.
-        # anyio's worker threads, which the *_async calls use too: starting a new thread blocks the loop until it runs.
+        # A task of its own, with anyio's worker threads: starting a new thread blocks the loop until it runs.
         future = self.loop.create_task(anyio.to_thread.run_sync(fn, *args))
+        await self.wait_to_end(future)
+        return future.result()
+
+    async def wait_to_end(self, waiter: asyncio.Future) -> None:
+        # A shielded anyio scope does not hold off a native Task.cancel(): asyncio.shield does.
         cancelled: asyncio.CancelledError | None = None
         while True:
             try:
-                await asyncio.shield(future)
+                await asyncio.shield(waiter)
                 break
             except asyncio.CancelledError as exc:
-                if future.done():
+                if waiter.done():
                     raise
                 cancelled = exc
         if cancelled is not None:
             raise cancelled
-        return future.result()
 
     def spawn(self, fn: Callable[[], Any], name: str) -> None:
         task = self.loop.create_task(fn(), name=name)
@@ -291,6 +298,11 @@ class TrioBackend(Backend):
             result = await self.trio.to_thread.run_sync(fn, *args)
         await self.trio.lowlevel.checkpoint_if_cancelled()
         return result
+
+    async def wait_to_end(self, waiter: _TrioWaiter) -> None:
+        with self.trio.CancelScope(shield=True):
+            await self.wait(waiter)
+        await self.trio.lowlevel.checkpoint_if_cancelled()
 
     def spawn(self, fn: Callable[[], Any], name: str) -> None:
         self.trio.lowlevel.spawn_system_task(fn, name=name)

@@ -296,7 +296,7 @@ class Engine:
     BUSY = object()  # post_with(busy_ok=True): the receiver has no room yet
 
     def post_with(
-        self, submit: Any, keep: tuple[Region, ...], what: str, owner: OpOwner | None = None, busy_ok: bool = False
+        self, submit: Any, keep: tuple[object, ...], what: str, owner: OpOwner | None = None, busy_ok: bool = False
     ) -> Any:
         """Like post(), through a transport's own native call ``submit(op_id) -> status``."""
         op_id = self.last_op_id = self._next_id
@@ -309,7 +309,7 @@ class Engine:
             return None
         return self._track(op_id, rc, keep, what, owner)
 
-    def _track(self, op_id: int, rc: int, keep: tuple[Region, ...], what: str, owner: OpOwner | None) -> Any:
+    def _track(self, op_id: int, rc: int, keep: tuple[object, ...], what: str, owner: OpOwner | None) -> Any:
         if rc < 0:
             raise status_error(rc, what)
         backend = self.backend

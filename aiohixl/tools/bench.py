@@ -190,6 +190,53 @@ async def _loop_lag(stop: asyncio.Event) -> float:
     return worst
 
 
+def _loop_thread_cpu() -> float:
+    """Seconds the calling thread has run on a CPU (Linux schedstat; 0 elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[0]) * 1e-9
+    except OSError:
+        return 0.0
+
+
+async def _first_allocate_stall(size: int) -> tuple[float, float]:
+    """The issue's probe: a fresh process's first ``allocate_async(size)`` with 1 ms
+    ``asyncio.sleep``s beside it: (the longest overrun, the most CPU time the loop thread
+    spent in one of those sleeps), in seconds. The second is the loop's own work; an overrun
+    with little of it was the loop waiting for a CPU (a busy host), not working."""
+    worst = [0.0, 0.0]
+    done = False
+
+    async def probe() -> None:
+        while not done:
+            t, cpu = time.perf_counter(), _loop_thread_cpu()
+            await asyncio.sleep(0.001)
+            worst[0] = max(worst[0], time.perf_counter() - t - 0.001)
+            worst[1] = max(worst[1], _loop_thread_cpu() - cpu)
+
+    async with aiohixl.Agent("bench-stall") as agent:
+        task = asyncio.create_task(probe())
+        await asyncio.sleep(0.01)  # the probe runs before the call starts
+        region = await agent.allocate_async(size)
+        done = True
+        await task
+        await region.close()
+    return worst[0], worst[1]
+
+
+def _first_allocate_stall_in_child(size: int) -> tuple[float, float]:
+    """_first_allocate_stall in a process of its own: nothing started or warmed before it."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-m", "aiohixl.tools.bench", "--stall-probe", str(size)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    return float(out[-2]), float(out[-1])
+
+
 def _keep_max(row: dict[str, float], key: str, value: float) -> None:
     row[key] = max(row.get(key, value), value)
 
@@ -232,6 +279,8 @@ async def registration(sizes: tuple[int, ...], progress: Progress) -> dict[str, 
                 keep("allocate_async_max_stall_ms", await task * 1e3)
                 await region.close()
                 del region
+            stall, cpu = _first_allocate_stall_in_child(size)  # once: a process of its own costs seconds
+            row["first_allocate_stall_ms"], row["first_allocate_stall_cpu_ms"] = stall * 1e3, cpu * 1e3
             out[f"{size >> 20} MiB" if size < (1 << 30) else f"{size >> 30} GiB"] = row
             progress.step(f"registration {size >> 20} MiB")
     return out
@@ -329,12 +378,17 @@ async def bandwidth(
     seconds: float,
     slots: int | None = None,
     in_turn: bool = False,
+    then_gather_done: bool = False,
 ) -> float:
     """Puts of ``size``: ``inflight`` at a time (1: each awaited before the next, as a caller
     writes it; more: ``asyncio.gather``, or with ``in_turn`` all posted, then each awaited in
     turn), over ``slots`` distinct ranges (default ``inflight``) taken in turn. One at a time
     over the same ranges as N in flight touches the same memory, so the two compare
-    concurrency, not a cache-hot range against N cache-cold ones."""
+    concurrency, not a cache-hot range against N cache-cold ones.
+
+    ``then_gather_done`` (one at a time): after each pass over the ranges, ``asyncio.gather``
+    over as many ops that had already ended: one at a time plus gather's own cost where it
+    runs, after the same copies (the floor N in flight through gather cannot beat)."""
     span = len(local) // size
     count = min(span, slots or inflight)
     ranges = [(remote[i * size : (i + 1) * size], local[i * size : (i + 1) * size]) for i in range(count)]
@@ -344,6 +398,9 @@ async def bandwidth(
         if inflight == 1:
             for r, l in ranges:
                 await peer.put(r, l)
+            if then_gather_done:
+                done: list[Any] = [DoneOp() for _ in ranges]
+                await asyncio.gather(*done)
         elif in_turn:
             for op in [peer.put(r, l) for r, l in ranges]:
                 await op
@@ -451,7 +508,7 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
             # library's part alone.
             in_turn = out["path"] in INLINE_PATHS and depth > 1 and size <= MiB
             if in_turn:
-                row["in_turn_gbps"] = 0.0
+                row["in_turn_gbps"] = row["gather_bound_gbps"] = 0.0
             cpu_s = elapsed = 0.0
             for _ in range(ROUNDS):
                 one = await bandwidth(peer, remote, local, size, 1, plan.bw_seconds / ROUNDS, depth)
@@ -465,6 +522,10 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
                 if in_turn:
                     turn = await bandwidth(peer, remote, local, size, depth, plan.bw_seconds / ROUNDS, in_turn=True)
                     row["in_turn_gbps"] = max(row["in_turn_gbps"], turn)
+                    bound = await bandwidth(
+                        peer, remote, local, size, 1, plan.bw_seconds / ROUNDS, depth, then_gather_done=True
+                    )
+                    row["gather_bound_gbps"] = max(row["gather_bound_gbps"], bound)
             if target:
                 row["target_cpu_pct"] = 100 * cpu_s / elapsed
             out["bandwidth"][_fmt_size(size)] = row
@@ -736,6 +797,12 @@ def render(r: Results) -> str:
                 f" ({v['allocate_async_gibps'] / v['populate_memfd_gibps']:.2f}x), longest event-loop stall"
                 f" {v['allocate_async_max_stall_ms']:.1f} ms"
             )
+            if "first_allocate_stall_ms" in v:
+                lines.append(
+                    "           a fresh process's first allocate_async, 1 ms asyncio.sleep probe beside it:"
+                    f" longest stall {v['first_allocate_stall_ms']:.1f} ms; the loop's own work in one"
+                    f" probe at most {v['first_allocate_stall_cpu_ms']:.1f} ms (the rest: waiting for a CPU)"
+                )
     flagged = 0
     for name, t in r.transports.items():
         lines += ["", f"{name} (path: {t['path']}):", "  latency            median      p99"]
@@ -792,6 +859,18 @@ def render(r: Results) -> str:
                 f"  asyncio.gather itself over {t['gather_floor_n']} finished futures: {floor:.1f} us, so N/1 over N"
                 f" (ops ending inline) can reach at most {', '.join(reach)}"
             )
+            # The same floor where it runs: after the copies, which leave the interpreter's caches cold.
+            beside = [
+                f"{size} {v['gather_bound_gbps'] / v['one_span_gbps']:.2f}x"
+                f" (N in flight {v['inflight_gbps'] / v['gather_bound_gbps']:.2f}x of it)"
+                for size, v in t["bandwidth"].items()
+                if v.get("gather_bound_gbps") and v.get("one_span_gbps")
+            ]
+            if beside:
+                lines.append(
+                    "  the bound timed beside the copies (one at a time, then gather over as many finished ops):"
+                    f" {', '.join(beside)}"
+                )
             turn = [
                 f"{size} {v['in_turn_gbps'] / v['one_span_gbps']:.2f}x"
                 for size, v in t["bandwidth"].items()
@@ -960,10 +1039,14 @@ def main(argv: list[str] | None = None) -> int:
         help="also run NIXL (nixl-cu12) and Mooncake (mooncake-transfer-engine-non-cuda) when installed",
     )
     p.add_argument("--serve", type=int, metavar="BYTES", help=argparse.SUPPRESS)
+    p.add_argument("--stall-probe", type=int, metavar="BYTES", help=argparse.SUPPRESS)
     p.add_argument("--serve-busy-poll", type=int, default=0, metavar="US", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib: pip install 'aiohixl[plot]'")  # before a bench it could not draw
+    if args.stall_probe:
+        print(*asyncio.run(_first_allocate_stall(args.stall_probe)))
+        return 0
     if args.serve:
         asyncio.run(serve(args.serve, args.serve_busy_poll))
         return 0
