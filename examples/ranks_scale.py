@@ -35,6 +35,9 @@ from typing import Any
 TOKEN = "scale-token"
 SLOT = 4096
 FANOUT = 3
+# A process's event loop serves all its ranks; on a small shared machine it can stall for longer
+# than the default 5 s heartbeat timeout, which would count its peers as lost.
+HEARTBEAT = 60.0
 HEADER = "{:>6} {:>13} {:>8} {:>13} {:>13} {:>11} {:>10}"
 
 
@@ -81,7 +84,17 @@ async def child(store: str, ranks: list[int], world: int, job: str) -> None:
     cpu0 = sum(os.times()[:2])
 
     async def join(rank: int) -> tuple[aiohixl.Context, Any]:
-        ctx = await aiohixl.init(rank, "default", store, world_size=world, token=TOKEN, namespace=job, timeout=600)
+        ctx = await aiohixl.init(
+            rank,
+            "default",
+            store,
+            world_size=world,
+            token=TOKEN,
+            namespace=job,
+            timeout=600,
+            heartbeat_interval=HEARTBEAT / 5,
+            heartbeat_timeout=HEARTBEAT,
+        )
         region = ctx.allocate_registered(SLOT * FANOUT, name="kv")
         await ctx.barrier(timeout=600)
         return ctx, region
