@@ -63,11 +63,27 @@ class RankRecord:
         r.end()
         return cls(rank, group, address, agent_id, name, host, pid, world_size, regions)
 
+    @classmethod
+    def decode_shared(cls, data: bytes, what: str = "rank record") -> RankRecord:
+        """``decode``, once per process for the same bytes: the ranks of one process hear the same
+        records from their store, and at hundreds of ranks decoding each copy was the cost."""
+        data = bytes(data)
+        rec = _decoded.get(data)
+        if rec is None:
+            if len(_decoded) >= _DECODED_MAX:
+                _decoded.clear()
+            rec = _decoded[data] = cls.decode(data, what)
+        return rec
+
     def with_regions(self, regions: dict[str, bytes]) -> RankRecord:
         return replace(self, regions=dict(regions))
 
     def describe(self) -> str:
         return f"rank {self.rank} ({self.group}) at {self.address}, pid {self.pid}"
+
+
+_decoded: dict[bytes, RankRecord] = {}  # decode_shared's records (immutable: shared by the stores of a process)
+_DECODED_MAX = 65536
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,15 @@ client; asyncio only). Keys of a job namespace NS, all under the hash tag
     aiohixl:{NS}:auth        HMAC-SHA256(token, "aiohixl-store:" NS), hex            PX lease
     aiohixl:{NS}:barrier:K:G set   of ranks that entered barrier K, generation G     PX 1 h
     aiohixl:{NS}:barrier:K:G:done  "1" once a rank saw it complete                   PX 1 h
+    aiohixl:{NS}:version     counter, raised by every change of an entry             PX lease
+    aiohixl:{NS}:changes     sorted set: R scored by the version that last changed it PX lease
 
 Each live rank refreshes its entry every lease/3 seconds; a dead rank's entry
-expires within one lease. Claims, refreshes and removals are Lua scripts, so
-they are atomic. Values are the records' binary encoding, never pickled.
+expires within one lease. A rank that waits reads only what changed since the
+version it last saw (nothing, when the version is the same): N ranks polling
+a namespace of N entries would otherwise read N x N records per round.
+Claims, refreshes and removals are Lua scripts, so they are atomic. Values are
+the records' binary encoding, never pickled.
 """
 
 from __future__ import annotations
@@ -35,19 +40,39 @@ local fp = redis.call('GET', KEYS[3])
 if fp and fp ~= ARGV[5] then return {2} end
 local cur = redis.call('HGET', KEYS[1], 'owner')
 if cur and cur ~= ARGV[1] then return {1, redis.call('HGET', KEYS[1], 'record')} end
+if redis.call('HGET', KEYS[1], 'record') ~= ARGV[2] then
+  redis.call('ZADD', KEYS[5], redis.call('INCR', KEYS[4]), ARGV[4])
+end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'record', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+for i = 1, 5 do if i ~= 3 then redis.call('PEXPIRE', KEYS[i], ARGV[3]) end end
 redis.call('SADD', KEYS[2], ARGV[4])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[3])
 return {0}
 """
 
+# every entry: {version, record...}; an entry that expired is pruned (and that is a change)
 _LIST = """
-local out = {}
+local out = {0}
 for _, r in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local rec = redis.call('HGET', ARGV[1] .. r, 'record')
-  if rec then table.insert(out, rec) else redis.call('SREM', KEYS[1], r) end
+  if rec then table.insert(out, rec) else
+    redis.call('SREM', KEYS[1], r)
+    redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[2]), r)
+  end
+end
+out[1] = tonumber(redis.call('GET', KEYS[2]) or '0')
+return out
+"""
+
+# what changed since version ARGV[1]: {version, rank, record or '' (gone), ...}
+_CHANGES = """
+local ver = tonumber(redis.call('GET', KEYS[1]) or '0')
+local out = {ver}
+if ver <= tonumber(ARGV[1]) then return out end
+for _, r in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[1], '+inf')) do
+  table.insert(out, r)
+  table.insert(out, redis.call('HGET', ARGV[2] .. r, 'record') or '')
 end
 return out
 """
@@ -56,6 +81,7 @@ _LEAVE = """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('DEL', KEYS[1])
   redis.call('SREM', KEYS[2], ARGV[2])
+  redis.call('ZADD', KEYS[4], redis.call('INCR', KEYS[3]), ARGV[2])
 end
 return 0
 """
@@ -74,9 +100,11 @@ class RedisStore(Store):
         self.fingerprint = hmac.new(token, b"aiohixl-store:" + namespace.encode(), hashlib.sha256).hexdigest()
         self._join_script = client.register_script(_JOIN)
         self._list_script = client.register_script(_LIST)
+        self._changes_script = client.register_script(_CHANGES)
         self._leave_script = client.register_script(_LEAVE)
         self._last_ok = anyio.current_time()
         self._refreshing = False
+        self._version = -1  # of the namespace, when the mirror was last brought up to date
 
     @classmethod
     async def connect(cls, url: StoreURL, namespace: str, token: bytes, timeout: float) -> RedisStore:
@@ -121,6 +149,9 @@ class RedisStore(Store):
     def _key(self, rank: int) -> str:
         return f"{self.prefix}rank:{rank}"
 
+    def _change_keys(self) -> list[str]:
+        return [self.prefix + "version", self.prefix + "changes"]
+
     async def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
         """One Redis call; after a whole lease without an answer the store counts as lost."""
         from redis.exceptions import RedisError
@@ -135,7 +166,7 @@ class RedisStore(Store):
         return result
 
     async def _claim(self, record: RankRecord) -> list[Any]:
-        keys = [self._key(record.rank), self.prefix + "ranks", self.prefix + "auth"]
+        keys = [self._key(record.rank), self.prefix + "ranks", self.prefix + "auth", *self._change_keys()]
         args = [record.agent_id.hex(), record.encode(), int(self.url.lease * 1000), record.rank, self.fingerprint]
         return list(await self._call(f"rank {record.rank}", self._join_script, keys=keys, args=args))
 
@@ -172,18 +203,41 @@ class RedisStore(Store):
                             f"rank {self.own.rank}'s entry was taken over (did this process stall past its lease?)"
                         )
                         return
-                    await self._refresh_mirror()
+                    await self._refresh_mirror(whole=True)  # entries that expired are found here
                 except StoreLost:
                     continue  # said again by fail() once a whole lease passed without Redis
         except Exception as exc:  # a background task must not raise
             self.fail(f"refreshing the lease failed: {exc!r}")
 
-    async def _refresh_mirror(self) -> None:
-        blobs = await self._call("list", self._list_script, keys=[self.prefix + "ranks"], args=[self.prefix + "rank:"])
-        records = {}
-        for blob in blobs:
-            rec = RankRecord.decode(blob, "redis rank entry")
-            records[rec.rank] = rec
+    async def _refresh_mirror(self, whole: bool = False) -> None:
+        """Bring the mirror up to date: what changed since our version, or (``whole``) every entry."""
+        if not whole and self._version >= 0:
+            reply = await self._call(
+                "changes", self._changes_script, keys=self._change_keys(), args=[self._version, self.prefix + "rank:"]
+            )
+            version = int(reply[0])
+            if version < self._version:  # the namespace expired and began again
+                whole = True
+            elif version > self._version:
+                records = dict(self.records)
+                for rank, blob in zip(reply[1::2], reply[2::2], strict=True):
+                    if blob:
+                        rec = RankRecord.decode_shared(blob, "redis rank entry")
+                        records[rec.rank] = rec
+                    else:
+                        records.pop(int(rank), None)
+                self._apply(records, version)
+        if whole or self._version < 0:
+            keys = [self.prefix + "ranks", *self._change_keys()]
+            blobs = await self._call("list", self._list_script, keys=keys, args=[self.prefix + "rank:"])
+            records = {}
+            for blob in blobs[1:]:
+                rec = RankRecord.decode_shared(blob, "redis rank entry")
+                records[rec.rank] = rec
+            self._apply(records, int(blobs[0]))
+
+    def _apply(self, records: dict[int, RankRecord], version: int) -> None:
+        self._version = version
         if records != self.records:
             self.records = records
             self._changed_now()
@@ -222,13 +276,18 @@ class RedisStore(Store):
             nonlocal done
             await self._next_change(waited)
             try:
+                # A count first: the members are read only once enough ranks entered.
                 pipe = self.client.pipeline(transaction=False)
-                pipe.smembers(bkey)
+                pipe.scard(bkey)
                 pipe.exists(done_key)
-                members, done_count = await self._call("barrier", pipe.execute)
+                count, done_count = await self._call("barrier", pipe.execute)
+                done = done or bool(done_count)
+                covered = sum(1 for rec in self.records.values() if not group or rec.group == group)
+                if done or covered < expected or count < covered:
+                    return
+                members = await self._call("barrier", self.client.smembers, bkey)
                 arrived.clear()
                 arrived.update(int(m) for m in members)
-                done = done or bool(done_count)
             except (StoreLost, ValueError):
                 pass
 
@@ -247,7 +306,7 @@ class RedisStore(Store):
 
     async def _leave(self) -> None:
         if self.own is not None:
-            keys = [self._key(self.own.rank), self.prefix + "ranks"]
+            keys = [self._key(self.own.rank), self.prefix + "ranks", *self._change_keys()]
             try:
                 await self._call("leave", self._leave_script, keys=keys, args=[self.own.agent_id.hex(), self.own.rank])
             except HixlError:

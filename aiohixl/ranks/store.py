@@ -1,8 +1,10 @@
 """The rendezvous store's client side: what both stores (tcp, redis) share.
 
 A client joins one rank into one job namespace and keeps a mirror of the
-namespace's records: the tcp store pushes every change, the redis store is
-read again while someone waits and every lease/3 seconds. Waiting (for a
+namespace's records: the tcp store pushes every join and leave to every rank,
+but a rank's later records (its regions) only to the ranks that watch it
+(``_watch``: a lookup of a region asks); the redis store is read again while
+someone waits and every lease/3 seconds. Waiting (for a
 rank, for n ranks, for a barrier) is a predicate on the mirror, checked
 whenever it changes, with a deadline.
 """
@@ -70,6 +72,7 @@ class Store:
         self._published = anyio.Event()
         self._publish_error: HixlError | None = None
         self._barrier_gen: dict[str, int] = {}
+        self._watched: set[int] = set()
 
     @property
     def label(self) -> str:
@@ -84,6 +87,14 @@ class Store:
     async def _put_record(self, record: RankRecord) -> None:
         """Replace our own record (same rank, same agent)."""
         raise NotImplementedError
+
+    async def _watch(self, rank: int) -> None:
+        """Keep ``records[rank]``'s regions current from now on (``lookup`` of a region asks).
+
+        The mirror always holds every rank's record as it joined (membership: group, address,
+        agent id); what a rank publishes later reaches only the ranks that watch it, so that N
+        ranks publishing is not N x N messages. A store whose mirror is read whole (redis) need
+        not do anything."""
 
     async def _next_change(self, waited: int) -> None:
         """Return once the mirror may have changed (``waited``: how many times this wait looped)."""
@@ -201,6 +212,10 @@ class Store:
             rec = self.records.get(rank)
             return rec if rec is not None and (region is None or region in rec.regions) else None
 
+        if region is not None and rank not in self._watched and found() is None:
+            self._watched.add(rank)
+            await self._watch(rank)
+
         rec = await self.wait_for(what, found, timeout)
         if rec is not None:
             return rec
@@ -219,6 +234,8 @@ class Store:
 
     async def wait_ranks(self, n: int, group: str | None, timeout: float | None, what: str) -> list[int]:
         def enough() -> list[int] | None:
+            if len(self.records) < n:  # at hundreds of ranks this is checked at every join: no sorting
+                return None
             ranks = self.ranks(group)
             return ranks if len(ranks) >= n else None
 

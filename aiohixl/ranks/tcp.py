@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from anyio.streams.memory import MemoryObjectSendStream
 
 from .._control import handshake as c
 from .._control import wire as w
@@ -51,19 +50,27 @@ def keepalive(stream: Any) -> None:
 @dataclass(eq=False)
 class _Client:
     ch: c.Channel
-    out: MemoryObjectSendStream[bytes]
     scope: anyio.CancelScope
     space: _Space | None = None
     rank: int | None = None
+    watching: set[int] = field(default_factory=set)
+    # Frames wait here for the writer, which sends all that piled up in one write: at hundreds of
+    # ranks a join is a frame to every client, and a queue operation and a syscall per frame was
+    # where the time went.
+    outbox: list[bytes] = field(default_factory=list)
+    queued: anyio.Event = field(default_factory=anyio.Event)
+    closed: bool = False
 
     def push(self, frame: bytes) -> None:
-        try:
-            self.out.send_nowait(frame)
-        except anyio.WouldBlock:
+        if self.closed:
+            return
+        if len(self.outbox) >= QUEUE:
             c.log.warning("aiohixl store: a client fell %d frames behind; dropping it", QUEUE)
+            self.closed = True
             self.scope.cancel()
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass
+            return
+        self.outbox.append(frame)
+        self.queued.set()
 
 
 @dataclass(eq=False)
@@ -74,6 +81,8 @@ class _Space:
     # (key, gen) -> group ("" all), ranks expected at least, who entered
     barriers: dict[tuple[str, int], tuple[str, int, dict[int, _Client]]] = field(default_factory=dict)
     clients: set[_Client] = field(default_factory=set)
+    # rank -> the clients that asked for its changes (STORE_WATCH): a publish goes only to them
+    watchers: dict[int, set[_Client]] = field(default_factory=dict)
 
     def broadcast(self, frame: bytes, skip: _Client | None = None) -> None:
         for client in list(self.clients):
@@ -146,10 +155,9 @@ class StoreServer:
             with anyio.fail_after(HANDSHAKE_TIMEOUT):
                 await c.server_handshake(ch, self.token, (w.ROLE_STORE,), SERVES)
                 await ch.send(w.DATA_OK_FRAME)
-            send, receive = anyio.create_memory_object_stream[bytes](QUEUE)
             async with anyio.create_task_group() as tg:
-                client = _Client(ch, send, tg.cancel_scope)
-                tg.start_soon(self._writer, ch, receive, tg.cancel_scope)
+                client = _Client(ch, tg.cancel_scope)
+                tg.start_soon(self._writer, client)
                 await self._reader(client)
                 tg.cancel_scope.cancel()
         except (HixlError, TimeoutError, *c.STREAM_ERRORS) as exc:
@@ -161,13 +169,15 @@ class StoreServer:
                 self._drop(client)
             await ch.aclose()
 
-    async def _writer(self, ch: c.Channel, receive: Any, scope: anyio.CancelScope) -> None:
+    async def _writer(self, client: _Client) -> None:
         try:
-            async with receive:
-                async for frame in receive:
-                    await ch.send(frame)
+            while not client.closed:
+                await client.queued.wait()
+                client.queued = anyio.Event()
+                frames, client.outbox = client.outbox, []
+                await client.ch.send(b"".join(frames))
         except c.STREAM_ERRORS:
-            scope.cancel()
+            client.scope.cancel()
 
     async def _reader(self, client: _Client) -> None:
         while True:
@@ -187,6 +197,10 @@ class StoreServer:
                 record = RankRecord.decode(r.blob(), "STORE_PUBLISH")
                 r.end()
                 self._publish(client, record)
+            elif ftype == w.STORE_WATCH:
+                rank = r.u32()
+                r.end()
+                self._watch(client, rank)
             elif ftype == w.STORE_ARRIVE:
                 key, gen, group, expected = r.str(), r.u32(), r.str(), r.u32()
                 r.end()
@@ -223,7 +237,20 @@ class StoreServer:
         if record.agent_id != old.agent_id:
             raise ProtocolError(f"STORE_PUBLISH for rank {record.rank} from another agent")
         space.records[record.rank] = (record, client)
-        space.broadcast(w.Writer().blob(record.encode()).frame(w.STORE_RECORD), skip=client)
+        frame = w.Writer().blob(record.encode()).frame(w.STORE_RECORD)
+        for watcher in list(space.watchers.get(record.rank, ())):
+            if watcher is not client:
+                watcher.push(frame)
+
+    def _watch(self, client: _Client, rank: int) -> None:
+        space = client.space
+        if space is None:
+            raise ProtocolError("STORE_WATCH before STORE_JOIN")
+        space.watchers.setdefault(rank, set()).add(client)
+        client.watching.add(rank)
+        held = space.records.get(rank)
+        if held is not None:  # the record as it is now; its changes follow
+            client.push(w.Writer().blob(held[0].encode()).frame(w.STORE_RECORD))
 
     def _arrive(self, client: _Client, key: str, gen: int, group: str, expected: int) -> None:
         space = client.space
@@ -235,10 +262,16 @@ class StoreServer:
 
     def _drop(self, client: _Client) -> None:
         space, rank = client.space, client.rank
-        client.out.close()
+        client.closed = True
         if space is None or rank is None:
             return
         space.clients.discard(client)
+        for watched in client.watching:
+            watchers = space.watchers.get(watched)
+            if watchers is not None:
+                watchers.discard(client)
+                if not watchers:
+                    del space.watchers[watched]
         held = space.records.get(rank)
         if held is not None and held[1] is client:
             del space.records[rank]
@@ -313,35 +346,21 @@ class TcpStore(Store):
 
     async def _read(self) -> None:
         reason = "connection to the store lost (its host ended?)"
+        buf = b""
         try:
             while True:
-                ftype, r = await self.ch.recv(w.MAX_FRAME)
-                if ftype == w.STORE_RECORD:
-                    record = RankRecord.decode(r.blob(), "STORE_RECORD")
-                    r.end()
-                    self.records[record.rank] = record
-                elif ftype == w.STORE_GONE:
-                    rank, agent_id = r.u32(), r.raw(16)
-                    r.end()
-                    held = self.records.get(rank)
-                    if held is not None and held.agent_id == agent_id:
-                        del self.records[rank]
-                elif ftype == w.STORE_RELEASE:
-                    key, gen = r.str(), r.u32()
-                    r.end()
-                    self._released.add((key, gen))
-                elif ftype == w.STORE_REPLY:
-                    req, status, blob = r.u32(), r.u8(), r.blob()
-                    r.end()
-                    slot = self._replies.pop(req, None)
-                    if slot is None:
-                        raise ProtocolError(f"reply to request {req} that was never made")
-                    slot[1] = (status, blob)
-                    slot[0].set()
-                elif ftype == w.PING:
-                    r.end()
-                else:
-                    raise ProtocolError(f"unexpected {w.NAMES[ftype]} frame from the store")
+                # Every frame that arrived is handled before waiters look again: the store sends
+                # what piled up in one write, and at hundreds of ranks that is many frames.
+                buf += await self.ch.reader.receive()
+                at = 0
+                while len(buf) - at >= w.HEAD_SIZE:
+                    n, ftype = w.split_head(buf[at : at + w.HEAD_SIZE], w.MAX_FRAME)
+                    end = at + w.HEAD_SIZE + n  # n: the body's length
+                    if len(buf) < end:
+                        break
+                    self._on_frame(ftype, w.Reader(buf[at + w.HEAD_SIZE : end], w.NAMES[ftype]))
+                    at = end
+                buf = buf[at:]
                 self._changed_now()
         except c.STREAM_ERRORS:
             pass
@@ -354,6 +373,34 @@ class TcpStore(Store):
             for event, _ in self._replies.values():
                 event.set()
             await self.ch.aclose()
+
+    def _on_frame(self, ftype: int, r: w.Reader) -> None:
+        if ftype == w.STORE_RECORD:
+            record = RankRecord.decode_shared(r.blob(), "STORE_RECORD")
+            r.end()
+            self.records[record.rank] = record
+        elif ftype == w.STORE_GONE:
+            rank, agent_id = r.u32(), r.raw(16)
+            r.end()
+            held = self.records.get(rank)
+            if held is not None and held.agent_id == agent_id:
+                del self.records[rank]
+        elif ftype == w.STORE_RELEASE:
+            key, gen = r.str(), r.u32()
+            r.end()
+            self._released.add((key, gen))
+        elif ftype == w.STORE_REPLY:
+            req, status, blob = r.u32(), r.u8(), r.blob()
+            r.end()
+            slot = self._replies.pop(req, None)
+            if slot is None:
+                raise ProtocolError(f"reply to request {req} that was never made")
+            slot[1] = (status, blob)
+            slot[0].set()
+        elif ftype == w.PING:
+            r.end()
+        else:
+            raise ProtocolError(f"unexpected {w.NAMES[ftype]} frame from the store")
 
     async def _join(self, record: RankRecord) -> RankRecord | None:
         what = f"join rank {record.rank}"
@@ -375,6 +422,9 @@ class TcpStore(Store):
 
     async def _put_record(self, record: RankRecord) -> None:
         await self._send(w.Writer().blob(record.encode()).frame(w.STORE_PUBLISH))
+
+    async def _watch(self, rank: int) -> None:
+        await self._send(w.Writer().u32(rank).frame(w.STORE_WATCH))
 
     async def _next_change(self, waited: int) -> None:
         await self._changed.wait()
