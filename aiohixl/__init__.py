@@ -28,8 +28,8 @@ from .errors import (
 from .memory import Access, Region, RegionSlice
 from .notifications import Notification
 from .peer import Peer
-from .rc import RcEndpoint, RcExport, RcPeer
 from .ranks import Context, get, get_remote_mem, init, put
+from .rc import RcEndpoint, RcExport, RcPeer
 from .remote import RemoteRegion, RemoteSlice
 
 __version__ = "0.1.0"

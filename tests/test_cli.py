@@ -66,7 +66,7 @@ def test_bench_quick_writes_json(tmp_path):
         + (["--plot", str(png)] if has_matplotlib else []),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a hang guard: the quick bench takes 20-60 s, minutes on a busy machine
     )
     assert proc.returncode == 0, proc.stderr
     assert png.exists() == has_matplotlib
