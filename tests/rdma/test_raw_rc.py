@@ -3,13 +3,15 @@
 The program runs under the system python3 (Debian's python3-pyverbs) as its
 own process; the two sides trade only JSON files in one folder
 ($AIOHIXL_RC_EXCHANGE, a share two hosts both see, else a temporary folder):
-addresses and GIDs are data, nothing assumes one host.
+addresses and GIDs are data, nothing assumes one host. In the two-guest tier
+(AIOHIXL_TEST_BRIDGE set) the program runs in guest B, started through its bridge.
 """
 
 import asyncio
 import hashlib
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import pytest
 import aiohixl
 from aiohixl.transports import verbs as _rdma
 
+from ..harness import BRIDGE, BRIDGE_WAIT
 from ..waiting import wait_until
 
 try:
@@ -71,7 +74,32 @@ async def read_json(path: Path, proc: asyncio.subprocess.Process) -> dict:
     return json.loads(path.read_text())
 
 
-async def start_peer(*args: str) -> asyncio.subprocess.Process:
+class BridgedPeer:
+    """The program in the other guest (tests/rdma_two/bridge.py): what the tests use of a process.
+    The bridge does not carry its exit code: its JSON files say how it went."""
+
+    def __init__(self, proc) -> None:
+        self.proc = proc
+        self.returncode: int | None = None
+
+    async def wait(self) -> int:
+        self.returncode = await self.proc.wait()
+        await self.proc.aclose()
+        return self.returncode
+
+    async def communicate(self) -> tuple[bytes, bytes]:
+        await self.wait()
+        return b"", b"(its output is in guest B's console: build/softroce-two/b.log)"
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+
+
+async def start_peer(*args: str):
+    if BRIDGE:  # the two-guest tier: the program runs in guest B, RC crosses the link
+        from ..rdma_two.bridge import open_bridged
+
+        return BridgedPeer(await open_bridged(["pyverbs_peer", *args], BRIDGE, timeout=BRIDGE_WAIT))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     return await asyncio.create_subprocess_exec(
         SYSTEM_PYTHON, PEER, *args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE

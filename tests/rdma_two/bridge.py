@@ -2,7 +2,8 @@
 
 Guest B runs ``python -m tests.rdma_two.bridge``: it listens on its link address, port
 ``PORT``, and for each connection reads one JSON line ``{"argv": [...]}``, starts that
-program (``target`` is tests/target.py; otherwise one of ``ALLOWED``) and relays the
+program (``target`` is tests/target.py, ``pyverbs_peer`` tests/rdma/pyverbs_peer.py under the
+system python3; otherwise one of ``ALLOWED``) and relays the
 connection to its stdin and stdout. The program is killed when the connection ends, and
 the connection ends when the program does. Guest A's tests start their targets through it
 (``harness.Target`` does, when ``AIOHIXL_TEST_BRIDGE`` names the bridge).
@@ -22,6 +23,7 @@ import anyio
 from anyio.abc import SocketStream
 
 PORT = 7100
+PYVERBS_PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "rdma", "pyverbs_peer.py")
 ALLOWED = ("ib_write_bw", "ib_read_bw", "ib_write_lat")  # perftest's servers (tests/rdma_two/perf.py)
 
 
@@ -32,6 +34,8 @@ def _argv(asked: list[str], addr: str) -> list[str]:
             i = argv.index("--listen") + 1
             argv[i] = f"{addr}:{argv[i].rpartition(':')[2]}"
         return argv
+    if asked[:1] == ["pyverbs_peer"]:  # the raw RC peer (tests/rdma/test_raw_rc.py), no aiohixl in it
+        return ["/usr/bin/python3", PYVERBS_PEER, *asked[1:]]
     if asked[:1] and asked[0] in ALLOWED:
         return asked
     raise ValueError(f"bridge: not a program it runs: {asked!r}")
@@ -40,8 +44,11 @@ def _argv(asked: list[str], addr: str) -> list[str]:
 async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, addr: str) -> None:
     try:
         argv = _argv(json.loads(await reader.readline())["argv"], addr)
+        env = os.environ
+        if argv[0] == "/usr/bin/python3":  # Debian's pyverbs, not our venv's packages
+            env = {k: v for k, v in env.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         child = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=None
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=None, env=env
         )
     except Exception as exc:  # a bad request: say why, drop it
         writer.write((json.dumps({"bridge_error": str(exc)}) + "\n").encode())

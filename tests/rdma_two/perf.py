@@ -1,6 +1,8 @@
 """perftest between the two guests, and aiohixl's verbs put/get of the same sizes as a ratio.
 
-    python -m tests.rdma_two.perf [--total MIB]      (in guest A of tests/softroce/run-two.sh)
+    python -m tests.rdma_two.perf [--total MIB] [--sizes B,B] [--netem-sizes B,B] [--lat-iters N]
+
+(in guest A of tests/softroce/run-two.sh)
 
 perftest's servers run in guest B through tests/rdma_two/bridge.py, its clients here; then
 an aiohixl target in guest B and puts/gets from here with as many in flight as perftest's
@@ -130,21 +132,29 @@ async def table(sizes: tuple[int, ...], total: int, lat_iters: int) -> list[str]
     return rows
 
 
+def sizes(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
 async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--total", type=int, default=2, help="MiB moved per bandwidth figure")
+    p.add_argument("--sizes", type=sizes, default=(4096, 65536, 1 << 20), help="clean link, bytes")
+    p.add_argument("--netem-sizes", type=sizes, default=(65536, 1 << 20), help="lossy link, bytes")
+    p.add_argument("--lat-iters", type=int, default=100)
     args = p.parse_args()
     total = args.total << 20
     head = ["| op, size | perftest | aiohixl | ratio |", "|---|---|---|---|"]
-    clean = await table((4096, 65536, 1 << 20), total, 100)
+    # each table is written once complete: a run cut short by a time cap keeps what it measured
+    clean = await table(args.sizes, total, args.lat_iters)
+    report("\n".join(["", "perftest and aiohixl, clean link:", "", *head, *clean]))
     dev = os.environ.get("SOFTROCE_NETDEV", "eth0")
     subprocess.run(["tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", "2ms", "loss", "1%"], check=True)
     try:
-        rows = await table((65536, 1 << 20), total // 2, 100)
+        rows = await table(args.netem_sizes, total // 2, args.lat_iters)
     finally:
         subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], check=True)
-    lossy = ["", "netem delay 2ms loss 1% on guest A's egress:", "", *head, *rows]
-    report("\n".join(["", "perftest and aiohixl, clean link:", "", *head, *clean, *lossy]))
+    report("\n".join(["", "netem delay 2ms loss 1% on guest A's egress:", "", *head, *rows]))
 
 
 if __name__ == "__main__":
