@@ -181,7 +181,7 @@ class EtcdStore(Store):
             )
         self.records = records
         self._backend.spawn(self._keep_lease, f"aiohixl-store-lease-{record.rank}")
-        self._backend.spawn(self._watch, f"aiohixl-store-watch-{record.rank}")
+        self._backend.spawn(self._watch_loop, f"aiohixl-store-watch-{record.rank}")
         return None
 
     async def _put_record(self, record: RankRecord) -> None:
@@ -223,7 +223,7 @@ class EtcdStore(Store):
         except Exception as exc:  # a background task must not raise
             self.fail(f"refreshing the lease failed: {exc!r}")
 
-    async def _watch(self) -> None:
+    async def _watch_loop(self) -> None:
         """Apply every change under the namespace to the mirror, resuming after the last revision seen."""
         import aetcd
 
