@@ -13,7 +13,9 @@ import pytest
 
 from .waiting import wait_until_sync
 
-ENV = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # make test-asan preloads libasan
+# make test-asan preloads libasan: not for redis-server or etcd, but the tcp store is our Python
+# with the instrumented module, which aborts at import without it.
+ENV = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
 
 
 def free_port() -> int:
@@ -25,9 +27,10 @@ def free_port() -> int:
 class Server:
     """One store server process; ``kill()`` ends it as a crash would, ``start()`` brings it back."""
 
-    def __init__(self, argv: list[str], port: int) -> None:
+    def __init__(self, argv: list[str], port: int, env: dict[str, str] = ENV) -> None:
         self.argv = argv
         self.port = port
+        self.env = env
         self.proc: subprocess.Popen | None = None
 
     def answers(self) -> bool:
@@ -35,7 +38,7 @@ class Server:
 
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
 
         def up() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
@@ -119,7 +122,9 @@ class TcpStore(Server):
 
         port = free_port()
         super().__init__(
-            [sys.executable, "-m", "aiohixl", "store", "--listen", f"127.0.0.1:{port}", "--token", token], port
+            [sys.executable, "-m", "aiohixl", "store", "--listen", f"127.0.0.1:{port}", "--token", token],
+            port,
+            dict(os.environ),
         )
 
     def answers(self) -> bool:
