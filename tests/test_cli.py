@@ -77,6 +77,9 @@ def test_bench_quick_writes_json(tmp_path):
         assert data["skipped"] == {"verbs": verbs.detail}
         assert f"verbs: not measured: {verbs.detail}" in proc.stdout and "verbs (path" not in proc.stdout
     assert "vs its physical limit" in proc.stdout and "physical-limit check" in proc.stdout
+    (reg,) = data["registration"].values()  # --quick: one size
+    assert {"first_allocate_stall_ms", "close_stall_ms", "aclose_stall_ms"} <= set(reg)
+    assert "beside await region.close()" in proc.stdout
 
     # Every native baseline is there and positive. Nothing is asserted about
     # their relative sizes: the machine running the tests is busy.

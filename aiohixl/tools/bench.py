@@ -199,32 +199,47 @@ def _loop_thread_cpu() -> float:
         return 0.0
 
 
-async def _first_allocate_stall(size: int) -> tuple[float, float]:
-    """The issue's probe: a fresh process's first ``allocate_async(size)`` with 1 ms
-    ``asyncio.sleep``s beside it: (the longest overrun, the most CPU time the loop thread
-    spent in one of those sleeps), in seconds. The second is the loop's own work; an overrun
-    with little of it was the loop waiting for a CPU (a busy host), not working."""
-    worst = [0.0, 0.0]
-    done = False
+async def _first_allocate_stall(size: int) -> tuple[float, ...]:
+    """The issue's probes, with 1 ms ``asyncio.sleep``s beside each call, in a fresh process:
+    its first ``allocate_async(size)`` (the longest overrun and the most CPU time the loop
+    thread spent in one of those sleeps), then ``await region.close()`` of that region and
+    ``agent.aclose()`` of an agent holding another one (their longest overruns), in seconds.
+    The CPU figure is the loop's own work; an overrun with little of it was the loop waiting
+    for a CPU (a busy host), not working."""
+    worst: dict[str, float] = {}
+    phase = "allocate"
 
     async def probe() -> None:
-        while not done:
-            t, cpu = time.perf_counter(), _loop_thread_cpu()
+        while phase != "done":
+            t, cpu, now = time.perf_counter(), _loop_thread_cpu(), phase
             await asyncio.sleep(0.001)
-            worst[0] = max(worst[0], time.perf_counter() - t - 0.001)
-            worst[1] = max(worst[1], _loop_thread_cpu() - cpu)
+            worst[now] = max(worst.get(now, 0.0), time.perf_counter() - t - 0.001)
+            worst[now + " cpu"] = max(worst.get(now + " cpu", 0.0), _loop_thread_cpu() - cpu)
 
+    task = asyncio.create_task(probe())
     async with aiohixl.Agent("bench-stall") as agent:
-        task = asyncio.create_task(probe())
         await asyncio.sleep(0.01)  # the probe runs before the call starts
         region = await agent.allocate_async(size)
-        done = True
-        await task
+        # Each switch of phase is followed by a sleep: the probe's sleep that spans it
+        # belongs to the phase it started in.
+        phase = "idle"
+        await asyncio.sleep(0.01)
+        phase = "close"
         await region.close()
-    return worst[0], worst[1]
+        phase = "idle"
+        region = await agent.allocate_async(size)
+        await asyncio.sleep(0.01)
+        phase = "aclose"
+    phase = "idle"
+    await asyncio.sleep(0.01)
+    phase = "done"
+    await task
+    del region
+    phases = ("allocate", "allocate cpu", "close", "close cpu", "aclose", "aclose cpu")
+    return tuple(worst.get(p, 0.0) for p in phases)
 
 
-def _first_allocate_stall_in_child(size: int) -> tuple[float, float]:
+def _first_allocate_stall_in_child(size: int) -> tuple[float, ...]:
     """_first_allocate_stall in a process of its own: nothing started or warmed before it."""
     import subprocess
 
@@ -234,7 +249,7 @@ def _first_allocate_stall_in_child(size: int) -> tuple[float, float]:
         capture_output=True,
         text=True,
     ).stdout.split()
-    return float(out[-2]), float(out[-1])
+    return tuple(float(x) for x in out[-6:])
 
 
 def _keep_max(row: dict[str, float], key: str, value: float) -> None:
@@ -279,8 +294,21 @@ async def registration(sizes: tuple[int, ...], progress: Progress) -> dict[str, 
                 keep("allocate_async_max_stall_ms", await task * 1e3)
                 await region.close()
                 del region
-            stall, cpu = _first_allocate_stall_in_child(size)  # once: a process of its own costs seconds
-            row["first_allocate_stall_ms"], row["first_allocate_stall_cpu_ms"] = stall * 1e3, cpu * 1e3
+            # Once: a process of its own costs seconds.
+            probes = _first_allocate_stall_in_child(size)
+            for key, value in zip(
+                (
+                    "first_allocate_stall",
+                    "first_allocate_stall_cpu",
+                    "close_stall",
+                    "close_stall_cpu",
+                    "aclose_stall",
+                    "aclose_stall_cpu",
+                ),
+                probes,
+                strict=True,
+            ):
+                row[key + "_ms"] = value * 1e3
             out[f"{size >> 20} MiB" if size < (1 << 30) else f"{size >> 30} GiB"] = row
             progress.step(f"registration {size >> 20} MiB")
     return out
@@ -802,6 +830,13 @@ def render(r: Results) -> str:
                     "           a fresh process's first allocate_async, 1 ms asyncio.sleep probe beside it:"
                     f" longest stall {v['first_allocate_stall_ms']:.1f} ms; the loop's own work in one"
                     f" probe at most {v['first_allocate_stall_cpu_ms']:.1f} ms (the rest: waiting for a CPU)"
+                )
+            if "close_stall_ms" in v:
+                lines.append(
+                    "           the same probe beside await region.close(): longest stall"
+                    f" {v['close_stall_ms']:.1f} ms (own work {v['close_stall_cpu_ms']:.1f}); beside"
+                    f" agent.aclose() holding one: {v['aclose_stall_ms']:.1f} ms"
+                    f" (own work {v['aclose_stall_cpu_ms']:.1f})"
                 )
     flagged = 0
     for name, t in r.transports.items():
