@@ -7,6 +7,7 @@ agents are made in the test, a tcp target is another process.
 
 import asyncio
 import errno
+import os
 
 import numpy as np
 import pytest
@@ -65,6 +66,18 @@ async def test_the_same_copy_without_the_fault_lands(agent):
     assert np.array_equal(dst_arr, src_arr)
 
 
+def _threads_named(name: str) -> int:
+    """This process's threads called ``name`` (the native threads name themselves)."""
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().strip() == name
+        except FileNotFoundError:
+            pass  # ended while we looked
+    return count
+
+
 async def test_a_failed_tcp_io_thread_fails_ops_and_refuses_new_connections(fail_next):
     """When the tcp I/O thread's epoll_wait fails it stops for good: the ops of its
     connections fail (ConnectionLost), and a new connection is refused with the system's error (OSError)
@@ -76,13 +89,22 @@ async def test_a_failed_tcp_io_thread_fails_ops_and_refuses_new_connections(fail
             src = agent.register(random_bytes(4096, seed=5))
             peer = await agent.connect(target.address)
             kv = await peer.region("kv")
+            io_threads = _threads_named("hixl-tcp-io")
             fail_next(lib.HX_FAULT_EPOLL_WAIT)
-            # The I/O thread waits again once it has read this put's answer: there it fails.
+            # A lone 4 KiB put's answer may be read by this thread (the lone-op poll) and
+            # never wake the I/O thread; 1 MiB is over what a caller sends itself, so the
+            # I/O thread wakes to send the rest and fails at its next wait.
+            big = agent.register(random_bytes(1 << 20, seed=6))
             try:
-                await asyncio.wait_for(peer.put(kv[:4096], src), DEADLINE)
+                await asyncio.wait_for(peer.put(kv, big), DEADLINE)
             except aiohixl.ConnectionLost:
                 pass  # the thread may fail before it reads the answer
-            # Past that wait nothing reads the connection: a put fails, none hangs.
+            # The failed thread ends: a state to wait for, not a time.
+            give_up = asyncio.get_running_loop().time() + DEADLINE
+            while _threads_named("hixl-tcp-io") >= io_threads:
+                assert asyncio.get_running_loop().time() < give_up, "the failed I/O thread never ended"
+                await asyncio.sleep(0.01)
+            # Past that nothing reads the connection: a put fails, none hangs.
             with pytest.raises(aiohixl.ConnectionLost):
                 await asyncio.wait_for(peer.put(kv[:4096], src), DEADLINE)
             with pytest.raises((aiohixl.HixlError, OSError)) as refused:
