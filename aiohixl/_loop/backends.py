@@ -11,7 +11,6 @@ import collections.abc
 from collections.abc import Callable
 from typing import Any
 
-import anyio
 import sniffio
 
 __all__ = ["Backend", "current_backend"]
@@ -199,8 +198,9 @@ class AsyncioBackend(Backend):
         await waiter
 
     async def run_to_end(self, fn: Callable[..., Any], *args: Any) -> Any:
-        # A task of its own, with anyio's worker threads: starting a new thread blocks the loop until it runs.
-        future = self.loop.create_task(anyio.to_thread.run_sync(fn, *args))
+        # The loop's executor, not anyio's threads: their first use imports anyio's asyncio
+        # backend on the loop (25-50 ms here), which the first region.close() would stall for.
+        future = self.loop.run_in_executor(None, fn, *args)
         await self.wait_to_end(future)
         return future.result()
 

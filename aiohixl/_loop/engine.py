@@ -384,10 +384,11 @@ class Engine:
 
     async def shutdown(self) -> None:
         """Stop native work (queued ops fail as closed), then resolve every op."""
-        await anyio.to_thread.run_sync(lib.hx_agent_shutdown, self.native)
         backend = self.backend
-        if backend is None:
-            return  # never attached: nothing was ever posted
+        if backend is None:  # never attached: nothing was ever posted, nothing to wait for
+            lib.hx_agent_shutdown(self.native)
+            return
+        await backend.run_to_end(lib.hx_agent_shutdown, self.native)
         self.drain()
         for op_id, op in list(self._ops.items()):
             # Native shutdown completed everything; this is a last guard.
