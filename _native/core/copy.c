@@ -22,6 +22,10 @@
  * piece alone after the others, and a 64 MiB put took twice one piece's time;
  * smaller pieces go to whichever thread is free. */
 #define HX_COPY_SHARES 4u
+/* Ops of at least this many bytes in this address space copy with streaming
+ * stores: src and dst no longer fit the last-level cache (8 MiB on the
+ * development VM), and ordinary stores read each destination line first. */
+#define HX_STREAM_MIN (4u * 1024u * 1024u)
 /* Submissions of up to this many pieces keep their bookkeeping on the stack. */
 #define HX_STACK_SGES 4u
 
@@ -210,7 +214,7 @@ static uint64_t piece_size(uint64_t total, uint32_t nthreads, bool overlap)
 /* The op cut into tasks of at most piece bytes, in order; NULL when out of
  * memory (none kept then). */
 static hx_task *split_into_tasks(const copy_op *o, int pid, int opcode, const hx_sge *sges, uint32_t n,
-                                 uint64_t piece, hx_task **last, int *count)
+                                 uint64_t piece, bool stream, hx_task **last, int *count)
 {
     hx_task *first = NULL;
     *last = NULL;
@@ -228,7 +232,8 @@ static hx_task *split_into_tasks(const copy_op *o, int pid, int opcode, const hx
                            .src = o->src[i] + off,
                            .len = len,
                            .pid = pid,
-                           .opcode = opcode};
+                           .opcode = opcode,
+                           .stream = stream};
             if (*last)
                 (*last)->next = t;
             else
@@ -245,7 +250,7 @@ static hx_task *split_into_tasks(const copy_op *o, int pid, int opcode, const hx
  * only: it is the event loop's, which the rest of the op would stall. HX_POSTED
  * (the pool completes the op), or HX_E_NOMEM with the regions released. */
 static int run_on_pool(hx_agent *a, copy_op *o, int pid, int opcode, const hx_sge *sges, uint32_t n,
-                       uint64_t piece)
+                       uint64_t piece, bool stream)
 {
     if (o->job == &o->stack_job.job) {
         hx_job *heap = hx_fault(HX_FAULT_COPY_JOB) ? NULL : malloc(job_size(n));
@@ -258,7 +263,7 @@ static int run_on_pool(hx_agent *a, copy_op *o, int pid, int opcode, const hx_sg
     }
     hx_task *last;
     int count;
-    hx_task *mine = split_into_tasks(o, pid, opcode, sges, n, piece, &last, &count);
+    hx_task *mine = split_into_tasks(o, pid, opcode, sges, n, piece, stream, &last, &count);
     if (!mine) {
         release_all(o->job);
         return HX_E_NOMEM;
@@ -284,7 +289,8 @@ static int run(hx_agent *a, copy_op *o, int pid, int opcode, const hx_sge *sges,
         total += sges[i].len;
     if (total <= (pid ? HX_INLINE_CMA_MAX : HX_INLINE_COPY_MAX) || (n == 1 && total <= HX_COPY_PIECE_MIN))
         return run_inline(o, pid, opcode, sges, n);
-    return run_on_pool(a, o, pid, opcode, sges, n, piece_size(total, a->nthreads, overlap));
+    bool stream = !pid && !overlap && total >= HX_STREAM_MIN;
+    return run_on_pool(a, o, pid, opcode, sges, n, piece_size(total, a->nthreads, overlap), stream);
 }
 
 int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t op_id, const hx_sge *sges,

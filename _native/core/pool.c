@@ -91,6 +91,9 @@ void hx_pool_run(hx_agent *a, hx_task *t)
     else if (t->opcode == HX_TASK_POPULATE) {
         hx_prefault(t->dst, t->len, t->src != NULL, t->pid); /* 1 (touched page by page) is done too */
         finish_task(a, t, HX_OK);
+    } else if (t->stream) {
+        hx_copy_stream(t->dst, t->src, t->len);
+        finish_task(a, t, HX_OK);
     } else
         finish_task(a, t, hx_copy_run(t->opcode, t->pid, t->dst, t->src, t->len));
 }
