@@ -13,6 +13,7 @@ was holding back.
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ MAX_NOTIFICATION = int(lib.HX_NOTE_MAX)
 _BATCH = 64
 _IMM = int(lib.HX_NOTE_IMM)
 _drain_notes = lib.hx_agent_drain_notes  # one lookup, not one per pull
+_get_ident = threading.get_ident  # asyncio.get_running_loop() makes a getpid() system call (3.11)
 
 
 def _expire(waiter: Any, what: str, timeout: float) -> None:
@@ -133,7 +135,9 @@ class Inbox:
         return None
 
     def _serve(self) -> None:
-        backend = self.engine.attach()
+        # Run by the loop (a drain, or get()/room() checked already): waiters mean it is attached.
+        backend = self.engine.backend
+        assert backend is not None
         for entry in list(self._waiters):
             waiter, match, _ = entry
             if not backend.pending(waiter):
@@ -156,7 +160,13 @@ class Inbox:
             raise InvalidArgument(f"{what}: timeout must be a number of seconds or None, not {type(timeout).__name__}")
         if match is not None:
             match = note_bytes(match, what, "match=")
-        backend = self.engine.attach(what)  # the loop that started the agent, or WrongEventLoop
+        engine = self.engine
+        loop = engine.loop
+        # Attached, and this thread runs its loop (as Peer's fast path asks); else attach() says.
+        mine = loop is not None and engine.loop_is_base and loop._thread_id == _get_ident()
+        backend = engine.backend if mine else None
+        if backend is None:
+            backend = engine.attach(what)  # the loop that started the agent, or WrongEventLoop
         self.pull()
         note = self._take(match)
         if note is not None:
@@ -166,7 +176,6 @@ class Inbox:
         waiter = backend.new_waiter()
         entry: list[Any] = [waiter, match, None]
         self._waiters.append(entry)
-        loop = self.engine.loop
         try:
             if timeout is None:
                 await backend.wait(waiter)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import os
 import statistics
@@ -47,14 +46,14 @@ def _instrument() -> dict[str, Any]:
     from aiohixl._loop import engine as engine_mod
 
     rec: dict[str, Any] = {"waiting": False, "drain": None, "drains": 0, "resolved": None}
-    clock = time.monotonic
+    clock, cpu = time.monotonic, time.thread_time
     drain = engine_mod.Engine.drain
 
     def timed_drain(self: Any) -> None:
         if rec["waiting"]:
             rec["drains"] += 1
             if rec["drain"] is None:
-                rec["drain"] = clock()
+                rec["drain"], rec["drain_cpu"] = clock(), cpu()
         drain(self)
 
     engine_mod.Engine.drain = timed_drain  # type: ignore[method-assign]
@@ -64,7 +63,7 @@ def _instrument() -> dict[str, Any]:
         waiting = len(self._waiters)
         serve(self)
         if waiting and len(self._waiters) < waiting and rec["resolved"] is None:
-            rec["resolved"] = clock()
+            rec["resolved"], rec["resolved_cpu"] = clock(), cpu()
 
     notes_mod.Inbox._serve = timed_serve  # type: ignore[method-assign]
     return rec
@@ -89,23 +88,30 @@ async def serve() -> None:
 
                 profile = cProfile.Profile()
                 profile.enable()
-            cpu = 0.0
+            answered = [0.0]  # the answer's CPU, when the loop writes it during the next wait
+
+            def answer(answered: list[float] = answered) -> None:
+                c0 = time.thread_time()
+                print("got", flush=True)
+                answered[0] = time.thread_time() - c0
+
             for i in range(n):
-                rec.update(waiting=True, drain=None, drains=0, resolved=None)
+                rec.update(waiting=True, drain=None, drains=0, resolved=None, drain_cpu=None, resolved_cpu=None)
+                answered[0] = 0.0
                 cpu0 = time.thread_time()
                 note = await agent.notification(timeout=60)
-                returned = time.monotonic()
-                cpu += time.thread_time() - cpu0
+                returned, cpu1 = time.monotonic(), time.thread_time()
                 rec["waiting"] = False
-                rows.append((float(note.data), rec["drain"], rec["resolved"], returned, rec["drains"]))
-                if answer_late and i < n - 1:  # once this task waits again (the bench's way)
-                    loop.call_soon(functools.partial(print, "got", flush=True))
-                else:  # at once: the sender may overtake the rest of this step
+                cpus = (cpu1 - cpu0 - answered[0], rec["drain_cpu"], rec["resolved_cpu"], cpu1, cpu0 + answered[0])
+                rows.append((float(note.data), rec["drain"], rec["resolved"], returned, rec["drains"], *cpus))
+                if answer_late and i < n - 1:  # once this task waits again: the sender finds it blocked
+                    loop.call_soon(answer)
+                else:  # at once (the bench's way): the sender may overtake the rest of this step
                     print("got", flush=True)
             if profile is not None:
                 profile.disable()
                 profile.dump_stats(os.environ["AIOHIXL_PROBE_PROFILE"])
-            print(json.dumps({"rows": rows, "loop_cpu_s": cpu}), flush=True)
+            print(json.dumps({"rows": rows}), flush=True)
 
 
 class Target(LineChild):
@@ -146,14 +152,19 @@ async def probe(name: str, target: Target, ops: int, early: bool = False) -> dic
         got = json.loads(target.answer())
         rows = got["rows"]
     steps: dict[str, list[float]] = {"issue -> drain": [], "drain -> resolved": [], "resolved -> returned": []}
-    total, drains = [], []
-    for issued, drain, resolved, returned, n in rows:
+    cpu_steps: dict[str, list[float]] = {"waiting -> drain": [], "drain -> resolved": [], "resolved -> returned": []}
+    total, drains, cpu = [], [], []
+    for issued, drain, resolved, returned, n, own, drain_cpu, resolved_cpu, returned_cpu, wait_cpu in rows:
         total.append(returned - issued)
         drains.append(n)
+        cpu.append(own)
         if drain is not None and resolved is not None and drain <= resolved:
             steps["issue -> drain"].append(drain - issued)
             steps["drain -> resolved"].append(resolved - drain)
             steps["resolved -> returned"].append(returned - resolved)
+            cpu_steps["waiting -> drain"].append(drain_cpu - wait_cpu)
+            cpu_steps["drain -> resolved"].append(resolved_cpu - drain_cpu)
+            cpu_steps["resolved -> returned"].append(returned_cpu - resolved_cpu)
     return {
         "path": path,
         "put_us": _med(put_alone),
@@ -163,7 +174,8 @@ async def probe(name: str, target: Target, ops: int, early: bool = False) -> dic
         "timed": len(steps["issue -> drain"]),
         "ops": len(rows),
         "drains_per_note": statistics.fmean(drains),
-        "target_loop_cpu_us": got["loop_cpu_s"] / len(rows) * 1e6,
+        "target_loop_cpu_us": _med(cpu),
+        "target_cpu_steps_us": {k: _med(v) for k, v in cpu_steps.items()},
         "woken_before_wait": sum(1 for row in rows if row[1] is None) / len(rows),
     }
 
@@ -204,8 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  steps (median us, {v['timed']} of {v['ops']} timed): {steps};"
             f" wake-fd callbacks per note {v['drains_per_note']:.2f}; the note there before the wait"
-            f" {100 * v['woken_before_wait']:.0f}%; the target loop thread's CPU"
-            f" in notification(), wait and wake-up included, {v['target_loop_cpu_us']:.1f} us"
+            f" {100 * v['woken_before_wait']:.0f}%"
+        )
+        steps = ", ".join(f"{k} {us:.1f}" for k, us in v["target_cpu_steps_us"].items())
+        print(
+            f"  the target loop thread's CPU (median us) in notification(), its wait and wake-up included,"
+            f" {v['target_loop_cpu_us']:.1f}: {steps}"
         )
     if args.json:
         with open(args.json, "w") as f:
