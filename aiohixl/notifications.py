@@ -167,6 +167,7 @@ class Inbox:
         backend = engine.backend if mine else None
         if backend is None:
             backend = engine.attach(what)  # the loop that started the agent, or WrongEventLoop
+            loop = engine.loop  # set by the first attach (asyncio), else None
         self.pull()
         note = self._take(match)
         if note is not None:
