@@ -13,8 +13,8 @@ was holding back.
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import anyio
@@ -27,6 +27,15 @@ __all__ = ["Notification", "Inbox", "MAX_NOTIFICATION", "note_bytes"]
 
 MAX_NOTIFICATION = int(lib.HX_NOTE_MAX)
 _BATCH = 64
+_IMM = int(lib.HX_NOTE_IMM)
+_drain_notes = lib.hx_agent_drain_notes  # one lookup, not one per pull
+_get_ident = threading.get_ident  # asyncio.get_running_loop() makes a getpid() system call (3.11)
+
+
+def _expire(waiter: Any, what: str, timeout: float) -> None:
+    """notification(timeout=)'s timer (asyncio): the waiter fails, unless it was served first."""
+    if not waiter.done():
+        waiter.set_exception(NotificationTimeout(f"{what}: no notification within {timeout} s"))
 
 
 class Notification:
@@ -81,6 +90,7 @@ class Inbox:
         self._waiters: list[list[Any]] = []  # [waiter, match, notification]
         self._space: list[Any] = []  # senders on this agent (loopback) waiting for room
         self._buf = ffi.new("hx_note[]", _BATCH)
+        self._short = False  # the last pull stopped for want of room: more may wait natively
         self.closed = False
         lib.hx_agent_set_notes(engine.native, capacity)
 
@@ -94,18 +104,21 @@ class Inbox:
         if native is None:
             return
         moved = 0
+        queue, buf, senders = self._queue, self._buf, self.senders
         while True:
-            room = self.capacity - len(self._queue)
+            room = self.capacity - len(queue)
             # With no room it takes nothing but still reads the doorbells' wake-ups (shm):
             # else their fd would keep waking the loop until someone takes a notification.
-            n = lib.hx_agent_drain_notes(native, self._buf, min(_BATCH, room))
+            n = _drain_notes(native, buf, min(_BATCH, room))
             for i in range(n):
-                e = self._buf[i]
-                imm = int(e.imm) if e.flags & lib.HX_NOTE_IMM else None
-                name, agent_id = self.senders(e.source)
-                self._queue.append(Notification(bytes(ffi.buffer(e.data, e.len)), imm, name, e.nbytes, agent_id))
+                e = buf[i]
+                imm = int(e.imm) if e.flags & _IMM else None
+                name, agent_id = senders(e.source)
+                queue.append(Notification(ffi.buffer(e.data, e.len)[:], imm, name, e.nbytes, agent_id))
             moved += n
             if n < _BATCH or n == room:
+                # Short of room: what waits natively is taken once a waiter made some (_serve).
+                self._short = n == room
                 break
         if moved and self._space:
             self._wake_space()
@@ -122,7 +135,9 @@ class Inbox:
         return None
 
     def _serve(self) -> None:
-        backend = self.engine.attach()
+        # Run by the loop (a drain, or get()/room() checked already): waiters mean it is attached.
+        backend = self.engine.backend
+        assert backend is not None
         for entry in list(self._waiters):
             waiter, match, _ = entry
             if not backend.pending(waiter):
@@ -135,7 +150,7 @@ class Inbox:
                 backend.resolve(waiter, None)
             if not self._queue:
                 break
-        if len(self._queue) < self.capacity and lib.hx_agent_notes_pending(self.engine.native):
+        if self._short and len(self._queue) < self.capacity and lib.hx_agent_notes_pending(self.engine.native):
             self.pull()  # room made: more may wait natively
 
     async def get(self, timeout: float | None, match: Any, what: str) -> Notification:
@@ -145,20 +160,40 @@ class Inbox:
             raise InvalidArgument(f"{what}: timeout must be a number of seconds or None, not {type(timeout).__name__}")
         if match is not None:
             match = note_bytes(match, what, "match=")
-        self.engine.attach(what)  # the loop that started the agent, or WrongEventLoop
+        engine = self.engine
+        loop = engine.loop
+        # Attached, and this thread runs its loop (as Peer's fast path asks); else attach() says.
+        mine = loop is not None and engine.loop_is_base and loop._thread_id == _get_ident()
+        backend = engine.backend if mine else None
+        if backend is None:
+            backend = engine.attach(what)  # the loop that started the agent, or WrongEventLoop
+            loop = engine.loop  # set by the first attach (asyncio), else None
         self.pull()
         note = self._take(match)
         if note is not None:
-            self.pull()
+            if self._short:
+                self.pull()  # room made: more may wait natively
             return note
-        backend = self.engine.attach(what)
-        entry: list[Any] = [backend.new_waiter(), match, None]
+        waiter = backend.new_waiter()
+        entry: list[Any] = [waiter, match, None]
         self._waiters.append(entry)
         try:
-            with anyio.fail_after(timeout) if timeout is not None else nullcontext():
-                await backend.wait(entry[0])
-        except TimeoutError:
-            raise NotificationTimeout(f"{what}: no notification within {timeout} s") from None
+            if timeout is None:
+                await backend.wait(waiter)
+            elif loop is not None:
+                # asyncio: a timer that fails the waiter, not a cancel scope (anyio's costs tens
+                # of microseconds of the loop's CPU per wait, more than the wake-up itself).
+                timer = loop.call_later(timeout, _expire, waiter, what, timeout)
+                try:
+                    await waiter
+                finally:
+                    timer.cancel()
+            else:
+                try:
+                    with anyio.fail_after(timeout):
+                        await backend.wait(waiter)
+                except TimeoutError:
+                    raise NotificationTimeout(f"{what}: no notification within {timeout} s") from None
         finally:
             if entry in self._waiters:
                 self._waiters.remove(entry)

@@ -98,10 +98,13 @@ def test_bench_quick_writes_json(tmp_path):
     assert 0 < b["tcp_stream_gbps"] < 1000
     for how in ("blocking", "polling"):
         assert b["tcp_stream"][how]["whole"] > 0 and 0 < b["tcp_stream"][how]["best"] <= b["tcp_stream_gbps"]
-    for key in ("tcp_rtt_us", "tcp_rtt_spin_us", "wake_rtt_us"):
+    for key in ("tcp_rtt_us", "tcp_rtt_spin_us", "wake_rtt_us", "asyncio_wake_rtt_us"):
         rtt = b[key]
         assert 0 < rtt["median"] <= rtt["p99"] and rtt["ops"] >= 100
     assert "eventfd wake-up round trip" in proc.stdout and "one-way wake-up" in proc.stdout  # beside the notifications
+    assert "the same through asyncio" in proc.stdout and "the asyncio one-way wake-up" in proc.stdout
+    note = data["transports"]["tcp"]["notify"]["4 KiB"]
+    assert note["beyond_over_wake"] is not None and note["beyond_over_asyncio_wake"] is not None
     if shutil.which("iperf3"):
         assert b["iperf3"]["gbps"] > 0 and isinstance(b["iperf3"]["agrees"], bool)
         assert "iperf3" in proc.stdout

@@ -337,3 +337,29 @@ async def test_two_senders_of_one_name_are_told_apart_by_their_id():
             await target.loopback().notify(b"self")
             note = await target.notification(timeout=30)
             assert (note.peer, note.peer_id) == ("target", target.id)
+
+
+async def test_a_wait_that_times_out_or_is_cancelled_takes_nothing(agent):
+    """notification(timeout=) under asyncio is a loop timer on the waiter: a wait that ends by
+    it, or by its task's cancellation, leaves the waiter list empty and takes no message."""
+    peer = agent.loopback()
+    inbox = agent._core.inbox
+    with pytest.raises(aiohixl.NotificationTimeout, match="within 0 s"):
+        await agent.notification(timeout=0)
+    waiting = asyncio.ensure_future(agent.notification(timeout=60))
+    await wait_until(lambda: len(inbox._waiters) == 1, what="the task waits")
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert inbox._waiters == []
+    await peer.notify(b"a")
+    await peer.notify(b"b")
+    with pytest.raises(aiohixl.NotificationTimeout):
+        await agent.notification(timeout=0.01, match=b"neither")
+    assert inbox._waiters == []
+    assert [(await agent.notification(timeout=5)).data for _ in range(2)] == [b"a", b"b"]
+    # A message that arrives while the timer is armed is the one returned.
+    waiting = asyncio.ensure_future(agent.notification(timeout=60))
+    await wait_until(lambda: len(inbox._waiters) == 1, what="the task waits")
+    await peer.notify(b"c")
+    assert (await waiting).data == b"c"

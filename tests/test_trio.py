@@ -131,3 +131,18 @@ def test_allocate_async_on_trio_cancelled_while_populating():
             assert bytes(region.memory[:4]) == b"abcd"
 
     run(main)
+
+
+def test_notification_timeout_on_trio():
+    """trio keeps anyio's deadline for notification(timeout=) (asyncio has a loop timer)."""
+
+    async def main():
+        async with aiohixl.Agent("trio") as agent:
+            peer = agent.loopback()
+            with pytest.raises(aiohixl.NotificationTimeout):
+                await agent.notification(timeout=0.01)
+            await peer.notify(b"after")
+            assert (await agent.notification(timeout=5)).data == b"after"
+            assert agent._core.inbox._waiters == []
+
+    run(main)

@@ -26,6 +26,10 @@ drives it:
 - wake-up round trip: two processes, each blocked in read() on an eventfd
   until the other writes it; half of one is the native one-way wake-up, the
   least a notification to a blocked target costs beyond its put.
+- asyncio wake-up round trip: the same, with an asyncio loop in each process
+  (``wake_floor``: add_reader -> future -> the awaiting task resumes), no
+  aiohixl in it; half of one is the interpreter's floor under a notification
+  that wakes a task awaiting ``notification()``.
 
 Copy rates are GB/s (1e9 bytes/s) over batches of whole copies (at least
 1 ms, at least five of them), the clock read only between batches. The
@@ -44,6 +48,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -123,6 +128,25 @@ def wake_rtt_us(seconds: float) -> dict[str, float]:
     if m.lib.hb_wake_rtt(seconds, res) != 0:
         raise OSError(res.err, _error(res, m.ffi, "wake-up round trip"))
     return {"median": res.median_us, "p99": res.p99_us, "mean": res.mean_us, "ops": res.ops}
+
+
+def asyncio_wake_rtt_us(seconds: float) -> dict[str, float]:
+    """The same round trip through asyncio in each process (``wake_floor``: add_reader ->
+    future -> the awaiting task resumes), in a fresh interpreter that imports nothing of
+    aiohixl. One way is half: the interpreter's floor under a notification."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wake_floor.py")
+    out = subprocess.run(
+        [sys.executable, script, str(seconds)], capture_output=True, text=True, timeout=60 + 4 * seconds
+    )
+    if out.returncode != 0:
+        raise OSError(f"asyncio wake-up round trip: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout)
+
+
+def one_way_asyncio_wake_us(b: dict[str, Any]) -> float | None:
+    """Half the median asyncio wake-up round trip: the interpreter's floor under a notification."""
+    rtt = b.get("asyncio_wake_rtt_us")
+    return rtt["median"] / 2 if rtt else None
 
 
 def one_way_wake_us(b: dict[str, Any]) -> float | None:
@@ -249,6 +273,7 @@ def measure(
     out["tcp_rtt_spin_us"] = attempt("tcp round trip (polling)", lambda: tcp_rtt_us(rtt_seconds, spin=True))
     step("tcp round trip")
     out["wake_rtt_us"] = attempt("wake-up round trip", lambda: wake_rtt_us(rtt_seconds))
+    out["asyncio_wake_rtt_us"] = attempt("asyncio wake-up round trip", lambda: asyncio_wake_rtt_us(rtt_seconds))
     step("wake-up round trip")
     return out
 
@@ -274,7 +299,7 @@ def combine(passes: list[dict[str, Any]]) -> dict[str, Any]:
         for how in ("blocking", "polling")
     }
     out["tcp_stream_gbps"] = max((p["tcp_stream_gbps"] for p in passes if p["tcp_stream_gbps"]), default=None)
-    for key in ("tcp_rtt_us", "tcp_rtt_spin_us", "wake_rtt_us"):
+    for key in ("tcp_rtt_us", "tcp_rtt_spin_us", "wake_rtt_us", "asyncio_wake_rtt_us"):
         out[key] = min((p[key] for p in passes if p.get(key)), key=lambda v: v["median"], default=None)
     out["errors"] = {k: v for p in passes for k, v in p["errors"].items()}
     out["passes"] = passes
