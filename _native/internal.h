@@ -229,8 +229,6 @@ int hx_copy_post(hx_peer *p, hx_registry *remote, int pid, int opcode, uint64_t 
                  uint32_t n);
 /* core/cma.c: one copy; the remote end is in process pid when pid != 0. */
 int hx_copy_run(int opcode, int pid, uint8_t *dst, const uint8_t *src, uint64_t len);
-/* core/stream.c: memcpy with stores that bypass the cache (non-overlapping). */
-void hx_copy_stream(uint8_t *dst, const uint8_t *src, uint64_t len);
 
 /* core/stats.c: an op of transport t that failed (refused or completed with
  * an error); a posted op and its bytes are counted by hx_peer_post. */

@@ -89,6 +89,9 @@ def test_bench_quick_writes_json(tmp_path):
     sizes = {"64 KiB", "1 MiB", "16 MiB"}
     assert set(b["memcpy_gbps"]) == sizes and all(v > 0 for v in b["memcpy_gbps"].values())
     assert set(b["memcpy_threaded_gbps"]) == {"16 MiB"} and b["memcpy_threaded_gbps"]["16 MiB"] > 0
+    # The copy engine streams from 4 MiB: so is its limit timed, single and threaded.
+    assert set(b["stream_gbps"]) == set(b["stream_threaded_gbps"]) == {"16 MiB"}
+    assert b["stream_gbps"]["16 MiB"] > 0 and b["stream_threaded_gbps"]["16 MiB"] > 0
     assert set(b["process_vm_writev_gbps"]) == sizes
     if "process_vm_writev 64 KiB" in b["errors"]:  # ptrace refused here: said, not measured
         assert b["process_vm_writev_gbps"]["64 KiB"] is None
@@ -118,7 +121,12 @@ def test_bench_quick_writes_json(tmp_path):
             if name == "tcp":
                 assert row["limit"]["baseline"] == "tcp_stream_gbps"
             elif size == "16 MiB":  # shared by the copy threads: the faster of threaded and single
-                assert row["limit"]["baseline"] in ("memcpy_threaded_gbps", "memcpy_gbps")
+                assert row["limit"]["baseline"] in (
+                    "memcpy_threaded_gbps",
+                    "memcpy_gbps",
+                    "stream_gbps",
+                    "stream_threaded_gbps",
+                )
             else:
                 assert row["limit"]["baseline"] == "memcpy_gbps"
     assert isinstance(data["transports"]["tcp"]["latency"]["put 4 KiB"]["limit"]["above_limit"], bool)

@@ -6,6 +6,7 @@
  * with its parent (PR_SET_PDEATHSIG) and is reaped before a call returns. */
 #define _GNU_SOURCE
 #include "baselines.h"
+#include "core/stream.h"
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -185,7 +186,7 @@ static int recv_all(int fd, void *buf, size_t len, int spin)
 
 /* ---------- copies: memcpy and process_vm_writev ---------- */
 
-enum { KIND_MEMCPY, KIND_PVW };
+enum { KIND_MEMCPY, KIND_STREAM, KIND_PVW };
 
 typedef struct copier {
     int kind;
@@ -212,8 +213,11 @@ static void copy_piece(copier *c, int k)
 {
     uint64_t off = (uint64_t)k * c->piece;
     uint64_t len = c->size - off < c->piece ? c->size - off : c->piece;
-    if (c->kind == KIND_MEMCPY) {
-        memcpy(c->dst + off, c->src + off, len);
+    if (c->kind != KIND_PVW) {
+        if (c->kind == KIND_STREAM)
+            hx_copy_stream(c->dst + off, c->src + off, len);
+        else
+            memcpy(c->dst + off, c->src + off, len);
         /* The copy is an observable effect: it cannot be elided. */
         __asm__ __volatile__("" : : "r"(c->dst) : "memory");
         return;
@@ -379,10 +383,10 @@ static int copy_run(copier *c, double seconds, hb_copy_result *out)
     return 0;
 }
 
-int hb_memcpy(uint64_t size, int threads, uint64_t min_piece, double seconds, hb_copy_result *out)
+int hb_memcpy(uint64_t size, int threads, uint64_t min_piece, int stream, double seconds, hb_copy_result *out)
 {
     memset(out, 0, sizeof *out);
-    copier c = {.kind = KIND_MEMCPY, .size = size};
+    copier c = {.kind = stream ? KIND_STREAM : KIND_MEMCPY, .size = size};
     uint8_t *src = map_buf(size, 0x5a), *dst = map_buf(size, 0);
     int rc = -1;
     if (!src || !dst) {

@@ -50,8 +50,11 @@ typedef struct {
  * threads > 1 each copy is cut as aiohixl's copy engine cuts it (one share
  * per thread, at least min_piece bytes, 4 KiB multiples) and the threads
  * meet at a barrier after every copy, as a put completes when its last
- * piece does. */
-int hb_memcpy(uint64_t size, int threads, uint64_t min_piece, double seconds, hb_copy_result *out);
+ * piece does. stream: copy with the copy engine's streaming stores
+ * (hx_copy_stream, its way for ops of HX_STREAM_MIN and more) instead of
+ * glibc's memcpy, which streams only a single call above its own threshold. */
+int hb_memcpy(uint64_t size, int threads, uint64_t min_piece, int stream, double seconds,
+              hb_copy_result *out);
 
 /* The same, with process_vm_writev into a buffer of a forked child. */
 int hb_process_vm_writev(uint64_t size, int threads, uint64_t min_piece, double seconds, hb_copy_result *out);

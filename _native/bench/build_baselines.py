@@ -25,8 +25,9 @@ ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
     "aiohixl.tools._baselines",
     '#include "baselines.h"',
-    sources=[os.path.relpath(os.path.join(HERE, "baselines.c"))],
-    include_dirs=[os.path.relpath(HERE)],
+    # core/stream.c: the copy engine's streaming copy, timed as a limit beside memcpy.
+    sources=[os.path.relpath(os.path.join(HERE, f)) for f in ("baselines.c", "../core/stream.c")],
+    include_dirs=[os.path.relpath(HERE), os.path.relpath(os.path.dirname(HERE))],
     # Portable code only, as the library's module: no CPU-specific flags (the Soft-RoCE VM lacks AVX-512).
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11"],
     libraries=["pthread"],

@@ -2,6 +2,7 @@
  * peers (the remote end mapped here, or reached with cross-memory attach).
  * Small ops copy on the caller's thread; large ones are cut into pieces that
  * the copy pool's threads share. */
+#include "core/stream.h"
 #include "internal.h"
 #include <stdbool.h>
 #include <stdlib.h>
@@ -22,10 +23,6 @@
  * piece alone after the others, and a 64 MiB put took twice one piece's time;
  * smaller pieces go to whichever thread is free. */
 #define HX_COPY_SHARES 4u
-/* Ops of at least this many bytes in this address space copy with streaming
- * stores: src and dst no longer fit the last-level cache (8 MiB on the
- * development VM), and ordinary stores read each destination line first. */
-#define HX_STREAM_MIN (4u * 1024u * 1024u)
 /* Submissions of up to this many pieces keep their bookkeeping on the stack. */
 #define HX_STACK_SGES 4u
 

@@ -1,5 +1,6 @@
 /* The copy pool: threads that run the pieces of large copies (copy.c cuts
  * them) and complete each job when its last piece is done. */
+#include "core/stream.h"
 #include "internal.h"
 #include <stdlib.h>
 

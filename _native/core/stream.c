@@ -7,8 +7,7 @@
  * reach: at 64 MiB the pieces copied at 0.6x one memcpy, streamed at 0.9x
  * (docs/benchmarks.md, "Streaming stores"). SSE2 is in every x86-64 CPU; other
  * architectures use memcpy. */
-#include "internal.h"
-#include <stdint.h>
+#include "core/stream.h"
 #include <string.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>

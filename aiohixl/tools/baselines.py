@@ -11,6 +11,11 @@ drives it:
   (one share for each of its threads and the calling thread, at least 1 MiB
   a share), the threads meeting after every copy, as a put completes when its
   last piece does. The honest limit of a threaded put.
+- streamed copy: the same two for sizes the copy engine streams (at least
+  ``STREAM_MIN``), with its streaming stores (``_native/core/stream.c``)
+  instead of glibc's memcpy, which streams only a single call above its own
+  threshold (48 MiB on the development VM). A same-address-space put of that
+  size is held to the fastest of the four.
 - ``process_vm_writev``: the same two, into a buffer of another process (the
   limit of the cross-memory-attach path, ``shm-cma``).
 - tcp stream: one connection over 127.0.0.1 between two processes, the
@@ -60,6 +65,7 @@ KiB, MiB = 1 << 10, 1 << 20
 # calling thread, at least HX_COPY_PIECE_MIN (_native/internal.h) a share.
 COPY_THREADS = min(4, os.cpu_count() or 1) + 1
 COPY_PIECE_MIN = 1 * MiB
+STREAM_MIN = 4 * MiB  # HX_STREAM_MIN, _native/core/stream.h
 STREAM_WRITE = 128 * KiB  # iperf3's default
 STREAM_WRITE_POLLING = 1 * MiB  # HX_TCP_CHUNK, _native/tcp.c
 RTT_REQUEST = 4 * KiB
@@ -91,12 +97,15 @@ def _error(res: Any, ffi: Any, what: str) -> str:
 
 
 def copy_gbps(kind: str, size: int, threads: int, seconds: float) -> tuple[float, float]:
-    """(fastest, median) batch rate. kind: "memcpy" or "process_vm_writev";
-    threads=1 copies on one thread."""
+    """(fastest, median) batch rate. kind: "memcpy", "stream" (the copy engine's
+    streaming copy) or "process_vm_writev"; threads=1 copies on one thread."""
     m = _native()
     res = m.ffi.new("hb_copy_result *")
-    fn = m.lib.hb_memcpy if kind == "memcpy" else m.lib.hb_process_vm_writev
-    if fn(size, threads, COPY_PIECE_MIN, seconds, res) != 0:
+    if kind == "process_vm_writev":
+        rc = m.lib.hb_process_vm_writev(size, threads, COPY_PIECE_MIN, seconds, res)
+    else:
+        rc = m.lib.hb_memcpy(size, threads, COPY_PIECE_MIN, int(kind == "stream"), seconds, res)
+    if rc != 0:
         raise OSError(res.err, _error(res, m.ffi, kind))
     return res.best_gbps, res.gbps
 
@@ -219,6 +228,8 @@ def measure(
         "copy_piece_min": COPY_PIECE_MIN,
         "memcpy_gbps": {},
         "memcpy_threaded_gbps": {},
+        "stream_gbps": {},
+        "stream_threaded_gbps": {},
         "process_vm_writev_gbps": {},
         "process_vm_writev_threaded_gbps": {},
         "medians": {},
@@ -237,8 +248,10 @@ def measure(
         out[key][label] = got[0] if got else None
         out["medians"].setdefault(key, {})[label] = got[1] if got else None
 
-    for kind in ("memcpy", "process_vm_writev"):
+    for kind in ("memcpy", "stream", "process_vm_writev"):
         for size in sizes:
+            if kind == "stream" and size < STREAM_MIN:
+                continue  # the copy engine uses memcpy there
             label = fmt(size)
             copies(f"{kind}_gbps", label, f"{kind} {label}", functools.partial(copy_gbps, kind, size, 1, copy_seconds))
             # Sizes the engine copies on one thread have no threaded figure.
@@ -278,7 +291,14 @@ def measure(
     return out
 
 
-COPY_KEYS = ("memcpy_gbps", "memcpy_threaded_gbps", "process_vm_writev_gbps", "process_vm_writev_threaded_gbps")
+COPY_KEYS = (
+    "memcpy_gbps",
+    "memcpy_threaded_gbps",
+    "stream_gbps",
+    "stream_threaded_gbps",
+    "process_vm_writev_gbps",
+    "process_vm_writev_threaded_gbps",
+)
 
 
 def combine(passes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -320,13 +340,15 @@ def copy_limit(b: dict[str, Any], path: str, size_label: str, size: int) -> tupl
         return "tcp_stream_gbps", b.get("tcp_stream_gbps")
     else:
         return None
-    single = (f"{kind}_gbps", b.get(f"{kind}_gbps", {}).get(size_label))
-    if pieces(size, b.get("copy_threads", COPY_THREADS)) == 1:
-        return single
+    # The copy engine streams large copies in one address space: the limit is
+    # the faster of memcpy and that streamed copy (absent below STREAM_MIN).
+    kinds = (kind, "stream") if kind == "memcpy" else (kind,)
+    shared = pieces(size, b.get("copy_threads", COPY_THREADS)) > 1
     # Shared by the threads: the threaded copy, unless one thread did better
     # in this run (a busy machine): the limit is the faster way.
-    threaded = (f"{kind}_threaded_gbps", b.get(f"{kind}_threaded_gbps", {}).get(size_label))
-    return max((threaded, single), key=lambda kv: kv[1] or 0)
+    keys = [f"{k}{suffix}_gbps" for k in kinds for suffix in ("", "_threaded") if suffix == "" or shared]
+    found = [(key, b.get(key, {}).get(size_label)) for key in keys]
+    return max(found, key=lambda kv: kv[1] or 0)
 
 
 def rtt_limit_us(b: dict[str, Any]) -> tuple[str, float] | None:
@@ -338,6 +360,8 @@ def rtt_limit_us(b: dict[str, Any]) -> tuple[str, float] | None:
 LIMIT_NAMES = {
     "memcpy_gbps": "memcpy",
     "memcpy_threaded_gbps": "memcpy x{t}",
+    "stream_gbps": "streamed copy",
+    "stream_threaded_gbps": "streamed copy x{t}",
     "process_vm_writev_gbps": "process_vm_writev",
     "process_vm_writev_threaded_gbps": "process_vm_writev x{t}",
     "tcp_stream_gbps": "tcp stream",

@@ -760,17 +760,20 @@ def render_baselines(b: dict[str, Any]) -> list[str]:
     lines = [
         "baselines (timed in C, GB/s = 1e9 bytes/s; the better of two passes, before and after the transports;",
         "copies: the fastest of >= 5 batches of >= 1 ms):",
-        f"  {'':>7}  {'memcpy':>8}{f'memcpy x{t}':>12}{'process_vm_writev':>20}{f'x{t}':>6}",
+        f"  {'':>7}  {'memcpy':>8}{f'memcpy x{t}':>12}{'streamed':>10}{f'x{t}':>6}"
+        f"{'process_vm_writev':>20}{f'x{t}':>6}",
     ]
     for size, gbps in b["memcpy_gbps"].items():
         lines.append(
             f"  {size:>7}  {num(gbps, 8)}{num(b['memcpy_threaded_gbps'].get(size), 12)}"
+            f"{num(b.get('stream_gbps', {}).get(size), 10)}{num(b.get('stream_threaded_gbps', {}).get(size), 6)}"
             f"{num(b['process_vm_writev_gbps'].get(size), 20)}"
             f"{num(b['process_vm_writev_threaded_gbps'].get(size), 6)}"
         )
     lines.append(
         f"  (x{t}: each copy cut as the copy engine cuts a put, over its {t - 1} threads and the caller,"
-        f" >= {b['copy_piece_min'] // MiB} MiB a share; - : one share, as above)"
+        f" >= {b['copy_piece_min'] // MiB} MiB a share; - : one share, as above; streamed: the copy engine's"
+        " streaming stores, its way from 4 MiB in one address space)"
     )
     for how, v in b["tcp_stream"].items():
         label = f"  tcp stream, 2 processes, {how}" + (f", {_fmt_size(v['write_bytes'])} writes:" if v else ":")
