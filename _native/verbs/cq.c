@@ -48,9 +48,9 @@ static uint64_t now_ns(void)
 
 /* A successful completion on q: the remote QP, hence its process, is alive.
  * It counts as heard on q's control connection (the initiator's channel, a
- * target's session), so a link busy with RDMA, where the control
- * connection's bytes wait (docs/rdma.md, "Two guests"), does not make a live
- * peer look silent. At most every HEARD_EVERY_NS per QP: the tcp side walks
+ * target's session), so a peer whose process is late with its heartbeats
+ * while its kernel or NIC still serves the QP (a loaded host: docs/rdma.md,
+ * "Two guests") does not look silent. At most every HEARD_EVERY_NS per QP: the tcp side walks
  * its connections under a lock. Before the op completes, so no op's end is
  * seen before the liveness it proves. */
 #define HEARD_EVERY_NS 20000000ull
