@@ -94,7 +94,8 @@ test-rdma: venv
 # one -k for all of them (pytest keeps only the last -k it is given)
 RDMA_TWO_TESTS := tests/test_contract.py tests/rdma/test_verbs.py tests/rdma/test_raw_rc.py tests/rdma_two/test_link.py \
 	-k "byte_exact or many_pairs or completed_put_is_seen or refused_ops_leave or behind_the_data \
-	or two_verbs_senders or remote_nic_refuses or writes_and_reads or outside_the_export or lossy_link or powered_off"
+	or two_verbs_senders or remote_nic_refuses or writes_and_reads or outside_the_export or read_only_export \
+	or lossy_link or powered_off"
 RDMA_TWO_PERF_CAP ?= 150
 RDMA_TWO_A := AIOHIXL_TEST_BRIDGE=192.0.2.2:7100 AIOHIXL_RC_EXCHANGE=$$SOFTROCE_TWO_CTL/rc $(RDMA_PYTEST_CMD) --durations=0 $(RDMA_TWO_TESTS); rc=$$?; \
 	AIOHIXL_TEST_BRIDGE=192.0.2.2:7100 timeout -s KILL $(RDMA_TWO_PERF_CAP) $(abspath $(PY)) -m tests.rdma_two.perf \

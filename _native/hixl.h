@@ -149,6 +149,11 @@ void hx_peer_fail(hx_peer *p, int status);
 int hx_peer_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len);
 /* 0 while the peer works, else the status its ops now fail with. */
 int hx_peer_status(hx_peer *p);
+/* p's successful completions prove the remote end of channel alive (verbs: an
+ * RC completion needs the remote QP): from now on they count as heard on
+ * channel's connection, as a byte read there does, for its heartbeat timeout.
+ * A peer that completes nothing and sends nothing still goes silent. */
+void hx_peer_heard_with(hx_peer *p, hx_peer *channel);
 void hx_peer_free(hx_peer *p);
 
 /* tcp transport. Both take ownership of fd (a connected stream socket).

@@ -86,6 +86,9 @@ struct hx_peer {
     uint64_t id;
     atomic_bool closed;
     atomic_int failed; /* first failure status, 0 while healthy */
+    /* The id of the peer (its control channel) whose remote end this peer's
+     * successful completions prove alive (hx_peer_heard_with); 0: none. */
+    atomic_uint_fast64_t heard_with;
 };
 
 /* A transport's part in the agent's lifetime. The agent never names a
@@ -117,6 +120,11 @@ typedef struct hx_transport {
      * rings): moved into it (hx_note_enqueue) as far as it has room, every
      * sender's (all) or only source's; returns how many it still holds. */
     uint32_t (*move_notes)(hx_agent *a, bool all, uint64_t source);
+    /* The remote end of the channel peer_id (0: none), or of session's
+     * connections (target side; 0: none), was proved alive at now_ns by
+     * another transport (hx_heard): it counts as heard, as a byte read does
+     * for the heartbeat timeout. Called with no lock held; never blocks on I/O. */
+    void (*heard)(hx_agent *a, uint64_t peer_id, uint64_t session, uint64_t now_ns);
 } hx_transport;
 
 /* The slots of a->state and the order of hx_transports[] (and of hx_stats). */
@@ -238,6 +246,10 @@ void hx_stat_post(hx_peer *p, const hx_sge *sges, uint32_t n, int rc);
 
 /* core/peer.c */
 void hx_peer_init(hx_peer *p, hx_agent *a, const hx_peer_ops *ops);
+/* The remote end of the channel peer_id and/or of session's connections
+ * was proved alive at now_ns (a successful RC completion: the remote QP,
+ * hence its process, exists): every transport's heard hook hears it. */
+void hx_heard(hx_agent *a, uint64_t peer_id, uint64_t session, uint64_t now_ns);
 
 /* core/faults.c: whether this pass through fault site `site` (HX_FAULT_*)
  * is to fail (hx_test_fail_next). One relaxed load while nothing is armed. */

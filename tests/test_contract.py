@@ -26,7 +26,7 @@ from aiohixl import Access
 from aiohixl import _testing as hooks
 from aiohixl.remote import RemoteRegion
 
-from .harness import BRIDGE, TOKEN, Target, pattern, sha
+from .harness import TOKEN, Target, pattern, sha
 from .waiting import wait_until
 
 IN_VM = bool(os.environ.get("SOFTROCE_GUEST"))
@@ -40,11 +40,6 @@ PATHS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 RUN = ["verbs"] if IN_VM else ["loopback", "shm-memfd", "shm-cma", "tcp"]
 SPACE = (4 << 20) if IN_VM else (32 << 20)  # rxe moves tens of MB/s
-# Across the two guests (make test-rdma-two) MiB-sized ops on the emulated link have lost the
-# peer to "no heartbeat for 5.0 s" while the ops still completed (docs/rdma.md, "Two guests":
-# open); slower heartbeats there keep the contract about the data, not that fault.
-INITIATOR_HEARTBEAT: dict[str, Any] = dict(heartbeat_interval=3.0, heartbeat_timeout=30.0) if BRIDGE else {}
-TARGET_HEARTBEAT = 10.0 if BRIDGE else 1.0  # the target's timeout: 3 intervals
 
 
 @dataclasses.dataclass
@@ -94,8 +89,8 @@ async def open_path(name: str, target: Target | None, **agent_args: Any) -> Path
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=RUN)
 async def path(request):
-    target = None if request.param == "loopback" else await Target.start(heartbeat=TARGET_HEARTBEAT)
-    p = await open_path(request.param, target, **INITIATOR_HEARTBEAT)
+    target = None if request.param == "loopback" else await Target.start()
+    p = await open_path(request.param, target)
     p.src_arr = pattern(SPACE, 7)  # type: ignore[attr-defined]
     p.src = p.agent.register(p.src_arr)  # type: ignore[attr-defined]
     p.dst_arr = np.zeros(SPACE, dtype=np.uint8)  # type: ignore[attr-defined]

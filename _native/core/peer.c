@@ -8,6 +8,20 @@ void hx_peer_init(hx_peer *p, hx_agent *a, const hx_peer_ops *ops)
     p->id = atomic_fetch_add(&a->next_peer_id, 1);
     atomic_init(&p->closed, false);
     atomic_init(&p->failed, 0);
+    atomic_init(&p->heard_with, 0);
+}
+
+void hx_peer_heard_with(hx_peer *p, hx_peer *channel)
+{
+    if (p && channel && p != channel)
+        atomic_store(&p->heard_with, channel->id);
+}
+
+void hx_heard(hx_agent *a, uint64_t peer_id, uint64_t session, uint64_t now_ns)
+{
+    for (int i = 0; i < HX_NTRANSPORTS; i++)
+        if (hx_transports[i]->heard)
+            hx_transports[i]->heard(a, peer_id, session, now_ns);
 }
 
 /* Counts a post: the op and its bytes once accepted, an error when refused. */

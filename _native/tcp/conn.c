@@ -273,6 +273,7 @@ conn *tcp_conn_new(hx_agent *a, int fd, const tcp_role *role, uint64_t session)
     c->session = session;
     atomic_init(&c->fail_req, 0);
     atomic_init(&c->freeing, false);
+    atomic_init(&c->heard_ns, 0);
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);

@@ -285,14 +285,32 @@ static void heartbeat(hx_agent *a)
             continue;
         pthread_mutex_lock(&c->lock);
         bool holding = c->note_held || (c->target && c->outq >= OUTQ_HIGH);
+        uint64_t heard = atomic_load_explicit(&c->heard_ns, memory_order_relaxed);
         if (holding)
             c->last_rx_ns = now;
-        else if (since(now, c->last_rx_ns) > t->hb_timeout_ns)
+        else if (since(now, c->last_rx_ns) > t->hb_timeout_ns && since(now, heard) > t->hb_timeout_ns)
             atomic_store(&c->fail_req, HX_E_SILENT);
         if (since(now, c->last_tx_ns) >= t->hb_interval_ns && !c->unsent)
             c->role->beacon_locked(a, c);
         pthread_mutex_unlock(&c->lock);
     }
+    pthread_mutex_unlock(&t->lock);
+}
+
+/* hx_transport.heard: the channel peer_id, or session's served connections,
+ * count as heard at now_ns. The conn list is walked under the agent's lock,
+ * so a conn being freed is never touched; the completion thread calling
+ * this rate-limits it (verbs: cq.c). */
+static void tcp_heard(hx_agent *a, uint64_t peer_id, uint64_t session, uint64_t now_ns)
+{
+    tcp_agent *t = T(a);
+    if (!t)
+        return;
+    pthread_mutex_lock(&t->lock);
+    for (conn *c = t->io ? t->io->conns : NULL; c; c = c->next_all)
+        if (!c->broken && ((peer_id && !c->target && c->base.id == peer_id) ||
+                           (session && c->target && c->session == session)))
+            atomic_store_explicit(&c->heard_ns, now_ns, memory_order_relaxed);
     pthread_mutex_unlock(&t->lock);
 }
 
@@ -669,7 +687,8 @@ const hx_transport hx_tcp_transport = {.name = "tcp",
                                        .init = tcp_init,
                                        .shutdown = tcp_shutdown,
                                        .free = tcp_free,
-                                       .note_space = tcp_note_space};
+                                       .note_space = tcp_note_space,
+                                       .heard = tcp_heard};
 
 void hx_agent_set_stall(hx_agent *a, uint64_t ns) { T(a)->stall_ns = ns; }
 

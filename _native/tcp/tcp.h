@@ -147,6 +147,9 @@ struct conn {
     /* last_tx_ns: when bytes last went out, or the frame now at the head of
      * the send queue became the head (heartbeats; the drain stall check) */
     uint64_t last_rx_ns, last_tx_ns;
+    /* when another transport last proved the peer alive (tcp_heard: its RC
+     * completions); the heartbeat timeout counts from the later of the two */
+    atomic_uint_fast64_t heard_ns;
     uint64_t held_since; /* the send queue was started by a held put then (0: not) */
     /* target: the notification being received, or held while the agent's
      * queue is full (reading stops meanwhile); the last refused op */

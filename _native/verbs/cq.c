@@ -39,11 +39,40 @@ static vqp *find_qp(hx_verbs *v, uint32_t qp_num)
     return NULL;
 }
 
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* A successful completion on q: the remote QP, hence its process, is alive.
+ * It counts as heard on q's control connection (the initiator's channel, a
+ * target's session), so a peer whose process is late with its heartbeats
+ * while its kernel or NIC still serves the QP (a loaded host: docs/rdma.md,
+ * "Two guests") does not look silent. At most every HEARD_EVERY_NS per QP: the tcp side walks
+ * its connections under a lock. Before the op completes, so no op's end is
+ * seen before the liveness it proves. */
+#define HEARD_EVERY_NS 20000000ull
+static void heard(hx_agent *a, vqp *q)
+{
+    uint64_t with = q->target ? 0 : atomic_load_explicit(&q->base.heard_with, memory_order_relaxed);
+    if (!with && !q->target)
+        return;
+    uint64_t now = now_ns();
+    if (now - q->heard_ns < HEARD_EVERY_NS)
+        return;
+    q->heard_ns = now;
+    hx_heard(a, with, q->target ? q->session : 0, now);
+}
+
 static void on_send_wc(hx_agent *a, hx_verbs *v, struct ibv_wc *wc)
 {
     vop *op = (vop *)(uintptr_t)(wc->wr_id & ~(uint64_t)1);
     bool last = wc->wr_id & 1;
     vqp *q = op->qp;
+    if (wc->status == IBV_WC_SUCCESS)
+        heard(a, q);
     if (wc->status != IBV_WC_SUCCESS) {
         int s = map_wc_status(wc->status);
         int failed = atomic_load(&q->base.failed);
@@ -118,6 +147,8 @@ static void on_recv_wc(hx_agent *a, hx_verbs *v, struct ibv_wc *wc)
         return; /* flushed receives of a QP going away */
     pthread_mutex_lock(&v->lock);
     vqp *q = find_qp(v, wc->qp_num);
+    if (q && !q->broken)
+        heard(a, q); /* a SEND or WRITE WITH IMM of the session's initiator landed */
     if (q) {
         bool imm = wc->opcode == IBV_WC_RECV_RDMA_WITH_IMM;
         struct vheld h = {.slot = (uint32_t)(wc->wr_id & ~RECV_TAG),
@@ -157,13 +188,6 @@ static int poll_some(hx_agent *a, hx_verbs *v)
             on_send_wc(a, v, &wcs[i]);
     }
     return n < 0 ? 0 : n;
-}
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
 void *vb_completion_main(void *arg)

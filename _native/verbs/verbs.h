@@ -102,7 +102,8 @@ typedef struct vqp {
     uint32_t ops_inflight;
     vop *pending_head, *pending_tail; /* waiting for room in the send queue */
     bool broken;
-    uint32_t lpsn; /* our starting PSN, told to the other side */
+    uint64_t heard_ns; /* when its completions last counted as heard (cq.c; completion thread only) */
+    uint32_t lpsn;     /* our starting PSN, told to the other side */
     /* initiator: the notifications' send buffers (made on the first note) */
     uint8_t *sbuf;
     struct ibv_mr *smr;

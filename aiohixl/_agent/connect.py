@@ -10,6 +10,7 @@ from .. import transports as tr
 from .._control import handshake as c
 from .._control import wire as w
 from .._loop.engine import Engine
+from .._loop.native import lib
 from ..errors import ConnectFailed, ConnectionLost, ConnectTimeout, InvalidArgument
 from ..transports.base import AgentView
 from .peer_core import PeerCore, PeersOwner
@@ -87,6 +88,11 @@ async def connect(
     channel = next(link for link in links if link.is_channel)
     if channel is links[-1] and len(links) > 1 and channel.name not in wanted:
         links.pop()  # a channel only, not a path for data
+    for link in links:
+        if link is not channel and link.handle is not None and channel.handle is not None:
+            # A successful RC completion proves the peer alive: it counts as heard on the
+            # channel, so RDMA that fills the link leaves no live peer looking silent.
+            lib.hx_peer_heard_with(link.handle, channel.handle)
     reason = transport_reason(links[0].name, dial.refused)
     peer = PeerCore(agent, links, info.agent_id, info.name, info=info, channel=channel, transport_reason=reason)
     agent.peers.add(peer)

@@ -8,6 +8,9 @@ small and few processes are started.
 
 import asyncio
 import dataclasses
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -188,6 +191,42 @@ async def test_notifications_from_two_verbs_senders_arrive_in_order():
             seen.setdefault(k, []).append(int(i))
         assert seen == {"0": list(range(each)), "1": list(range(each))}
         assert reply["dropped"] == 0
+    finally:
+        await target.aclose()
+
+
+@pytest.mark.skipif(bool(BRIDGE), reason="stops the target's process: it must be in this guest")
+@pytest.mark.asyncio
+async def test_completed_ops_keep_a_silent_peer_alive_and_only_them():
+    # The target's process stopped: its control connection sends nothing (no heartbeat), while
+    # its RC queue pair, which the kernel's rxe serves, still completes our WRITEs. A completed
+    # RC op proves the peer there, so it counts as heard; once no op completes, the heartbeat
+    # ends the session as for any silent peer (docs/rdma.md, "Two guests").
+    timeout = 3.0
+    target = await Target.start()
+    pid = target.proc.pid
+    try:
+        await target.alloc("kv", 64 << 10)
+        async with agent(heartbeat_interval=0.5, heartbeat_timeout=timeout) as a:
+            peer = await a.connect(target.address)
+            kv = await peer.region("kv")
+            src_arr = pattern(64 << 10, 11)
+            src = a.register(src_arr)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                stopped = time.monotonic()
+                puts = 0
+                while time.monotonic() - stopped < 2 * timeout:  # twice the timeout of silence
+                    await peer.put(kv, src)
+                    puts += 1
+                assert peer.broken is None, (puts, peer.broken)
+                await wait_until(lambda: peer.broken is not None, timeout=60, what="the heartbeat, no op completing")
+                assert isinstance(peer.broken, aiohixl.ConnectionLost) and "heartbeat" in str(peer.broken)
+                with pytest.raises(aiohixl.ConnectionLost):
+                    await peer.put(kv, src)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+        assert await target.hash("kv", 0, 64 << 10) == sha(src_arr)  # the puts while it was stopped landed
     finally:
         await target.aclose()
 

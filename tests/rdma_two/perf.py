@@ -70,8 +70,7 @@ async def perftest_lat(size: int, iters: int) -> float:
 
 
 async def ours_bw(peer: aiohixl.Peer, kv, src, size: int, iters: int, op: str) -> float:
-    # perftest's depth, up to 8 MiB in flight: more only queues behind an emulated link, where
-    # it starves the control channel's heartbeats
+    # perftest's depth, up to 8 MiB in flight: more only queues behind an emulated link
     window = asyncio.Semaphore(max(1, min(DEPTH, (8 << 20) // size)))
     span = kv.info.nbytes // size
 
@@ -104,12 +103,10 @@ async def ours_lat(peer: aiohixl.Peer, kv, src, size: int, iters: int) -> float:
 
 async def table(sizes: tuple[int, ...], total: int, lat_iters: int) -> list[str]:
     rows = []
-    target = await Target.start(heartbeat=3.0)
+    target = await Target.start()
     try:
         await target.alloc("kv", 4 << 20)
-        async with aiohixl.Agent(
-            "perf", token=TOKEN, transports=("verbs",), heartbeat_interval=3.0, heartbeat_timeout=15.0
-        ) as a:
+        async with aiohixl.Agent("perf", token=TOKEN, transports=("verbs",)) as a:  # default heartbeats
             peer = await a.connect(target.address)
             kv = await peer.region("kv")
             src = a.register(pattern(4 << 20, 1))

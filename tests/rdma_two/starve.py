@@ -27,21 +27,33 @@ def sample(log, t0: float) -> None:
     dev = os.environ.get("SOFTROCE_NETDEV", "eth0")
     peer = BRIDGE.rpartition(":")[0]
     qdisc = subprocess.run(["tc", "-s", "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
-    socks = subprocess.run(["ss", "-tin", "dst", peer], capture_output=True, text=True).stdout
-    print(f"--- t={time.monotonic() - t0:.1f} s\n{qdisc}{socks}", file=log, flush=True)
+    socks = subprocess.run(["ss", "-tinoe", "dst", peer], capture_output=True, text=True).stdout
+    with open("/proc/stat") as f:
+        cpu = f.readline().strip()  # user nice system idle iowait irq softirq steal (jiffies)
+    with open("/proc/net/snmp") as f:
+        tcp = [ln.strip() for ln in f if ln.startswith("Tcp:")][-1]
+    print(f"--- t={time.monotonic() - t0:.1f} s\n{cpu}\n{tcp}\n{qdisc}{socks}", file=log, flush=True)
 
 
 async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--in-flight", type=int, default=32)
     p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--op", choices=("put", "get"), default="put")
+    # the library's defaults (1 s / 5 s); the target's timeout is 3 of its intervals
+    p.add_argument("--heartbeat", type=float, nargs=2, default=(1.0, 5.0), metavar=("INTERVAL", "TIMEOUT"))
+    p.add_argument("--target-heartbeat", type=float, default=5.0 / 3)
     args = p.parse_args()
     log = open(os.path.join(os.environ["SOFTROCE_TWO_CTL"], "diag.log"), "a")  # noqa: SIM115 (the run's length)
-    target = await Target.start(heartbeat=3.0)
+    target = await Target.start(heartbeat=args.target_heartbeat)
     try:
         await target.alloc("kv", args.in_flight * MIB)
         async with aiohixl.Agent(
-            "starve", token=TOKEN, transports=("verbs",), heartbeat_interval=3.0, heartbeat_timeout=15.0
+            "starve",
+            token=TOKEN,
+            transports=("verbs",),
+            heartbeat_interval=args.heartbeat[0],
+            heartbeat_timeout=args.heartbeat[1],
         ) as a:
             peer = await a.connect(target.address)
             kv = await peer.region("kv")
@@ -52,7 +64,10 @@ async def main() -> None:
             async def pump(i: int) -> None:
                 nonlocal done
                 while time.monotonic() - t0 < args.seconds:
-                    await peer.put(kv[i * MIB : (i + 1) * MIB], src)
+                    if args.op == "put":
+                        await peer.put(kv[i * MIB : (i + 1) * MIB], src)
+                    else:
+                        await peer.get(src, kv[i * MIB : (i + 1) * MIB])
                     done += 1
 
             async def sampler() -> None:
@@ -66,7 +81,7 @@ async def main() -> None:
             sample(log, t0)
             errors = [repr(r) for r in results if isinstance(r, BaseException)]
             line = (
-                f"starve: {args.in_flight} x 1 MiB in flight, {done} puts in {time.monotonic() - t0:.1f} s, "
+                f"starve: {args.op} {args.in_flight} x 1 MiB in flight, {done} ops in {time.monotonic() - t0:.1f} s, "
                 f"peer broken: {peer.broken!r}, errors: {errors[:1]}"
             )
             print(line, file=log, flush=True)
