@@ -73,6 +73,10 @@ class Store:
         self._publish_error: HixlError | None = None
         self._barrier_gen: dict[str, int] = {}
         self._watched: set[int] = set()
+        # join(members_at=n): the mirror need not list the other ranks before the store holds n
+        # (init(world_size=n) waits for that anyway): a store may then skip telling this rank of
+        # each join in the storm of n joins (the tcp store does), so it is not n x n messages
+        self.members_at = 0
 
     @property
     def label(self) -> str:
@@ -110,6 +114,16 @@ class Store:
     async def sync(self) -> None:
         """Bring the mirror up to date now (the tcp store's always is)."""
 
+    def _complete(self) -> bool:
+        """Whether the mirror lists every rank (not, over tcp, before the count of ``members_at``)."""
+        return True
+
+    async def _until_count(self, n: int, what: str) -> None:
+        """Return once the store may hold ``n`` ranks: a cheap wait before the mirror's (Redis: a count)."""
+
+    async def _whole_mirror(self) -> None:
+        """Fill the mirror now, however many ranks joined (for a timeout's message)."""
+
     # ---- the mirror ----
 
     def _changed_now(self) -> None:
@@ -146,8 +160,12 @@ class Store:
 
     # ---- joining and publishing ----
 
-    async def join(self, record: RankRecord, timeout: float) -> None:
-        """Claim ``record.rank``; RankConflict when a live process keeps it past ``conflict_grace``."""
+    async def join(self, record: RankRecord, timeout: float, members_at: int = 0) -> None:
+        """Claim ``record.rank``; RankConflict when a live process keeps it past ``conflict_grace``.
+
+        ``members_at``: the caller waits for that many ranks next (``wait_ranks``), so the mirror
+        need not follow the joins before."""
+        self.members_at = members_at
         deadline = anyio.current_time() + min(timeout, self.conflict_grace)
         pause = 0.05
         while True:
@@ -234,13 +252,18 @@ class Store:
 
     async def wait_ranks(self, n: int, group: str | None, timeout: float | None, what: str) -> list[int]:
         def enough() -> list[int] | None:
-            if len(self.records) < n:  # at hundreds of ranks this is checked at every join: no sorting
+            if len(self.records) < n or not self._complete():  # checked at every change: no sorting
                 return None
             ranks = self.ranks(group)
             return ranks if len(ranks) >= n else None
 
-        got = await self.wait_for(what, enough, timeout)
+        deadline = math.inf if timeout is None else anyio.current_time() + timeout
+        with anyio.move_on_after(deadline - anyio.current_time()):
+            await self._until_count(n, what)
+        got = await self.wait_for(what, enough, max(0.0, deadline - anyio.current_time()))
         if got is None:
+            self.check(what)
+            await self._whole_mirror()
             among = "" if group is None else f" of group {group!r}"
             raise RendezvousTimeout(
                 f"{what}: {len(self.ranks(group))} of {n} ranks{among} joined {self.label} within {_secs(timeout)};"
