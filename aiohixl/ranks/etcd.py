@@ -70,6 +70,7 @@ class EtcdStore(Store):
         self._waiting: dict[tuple[str, int], tuple[str, int]] = {}  # barriers we entered: group, expected
         self._released: set[tuple[str, int]] = set()
         self._last_ok = anyio.current_time()
+        self._watching = False  # the mirror is read and watched (at the join, or once members_at joined)
 
     @classmethod
     async def connect(cls, url: StoreURL, namespace: str, token: bytes, timeout: float) -> EtcdStore:
@@ -144,14 +145,18 @@ class EtcdStore(Store):
             self.ttl = float(self.lease.ttl)
             self.conflict_grace = self.ttl + 1.0
         key = self._rank_key(record.rank)
+        # In a join storm (init(world_size=N)) the namespace is read, and watched, once N ranks
+        # joined (_until_count): N ranks reading it at each join, and each hearing every other
+        # join, would be N x N records.
+        later = self.members_at > 1
+        success = [tx.put(key, self.fingerprint + record.encode(), lease=self.lease)]
+        if not later:
+            success.append(tx.get(self.root, _range_end(self.root)))
         ok, replies = await self._call(
             f"join rank {record.rank}",
             self.client.transaction,
             compare=[tx.create(key) == 0],
-            success=[
-                tx.put(key, self.fingerprint + record.encode(), lease=self.lease),
-                tx.get(self.root, _range_end(self.root)),
-            ],
+            success=success,
             failure=[tx.get(key)],
         )
         if not ok:
@@ -163,9 +168,17 @@ class EtcdStore(Store):
                 )
             return holder
         self._created = self._revision = replies[0].response_put.header.revision
+        self._backend.spawn(self._keep_lease, f"aiohixl-store-lease-{record.rank}")
+        if not later:
+            self._read_namespace(replies[1])
+            self._start_watch()
+        return None
+
+    def _read_namespace(self, kvs: Any) -> None:
+        """Fill the mirror (and the barriers' arrivals) from a read of the whole namespace."""
         records: dict[int, RankRecord] = {}
         foreign = 0
-        for value, meta in replies[1]:
+        for value, meta in kvs:
             parts = bytes(meta.key)[len(self.root) :].split(b"/")
             if parts[0] == b"rank":
                 rec = self._decode(value, "etcd rank entry")
@@ -179,10 +192,63 @@ class EtcdStore(Store):
             raise AuthenticationError(
                 f"{self.label}: {foreign} of the job's entries were made with another token{_HINT}"
             )
+        if self.own is not None:
+            records[self.own.rank] = self.own
         self.records = records
-        self._backend.spawn(self._keep_lease, f"aiohixl-store-lease-{record.rank}")
-        self._backend.spawn(self._watch_loop, f"aiohixl-store-watch-{record.rank}")
-        return None
+
+    def _start_watch(self) -> None:
+        assert not self._watching
+        self._watching = True
+        self._backend.spawn(self._watch_loop, f"aiohixl-store-watch-{self.namespace}")
+
+    def _complete(self) -> bool:
+        return self._watching
+
+    async def _count(self) -> int:
+        """How many rank keys the namespace holds (etcd counts; aetcd's API does not ask for that)."""
+        import aetcd
+        from aetcd import rpc
+
+        prefix = self.root + b"rank/"
+        request = rpc.RangeRequest(key=prefix, range_end=_range_end(prefix), count_only=True)
+        try:
+            reply = await self.client.kvstub.Range(request, timeout=self.client._timeout, metadata=self.client.metadata)
+        except rpc.AioRpcError as exc:
+            try:
+                aetcd.exceptions._handle_exception(exc)
+            except aetcd.ClientError as err:
+                self._no_answer(err)
+            raise StoreLost(f"count: {self.label}: {exc.details()}") from None
+        self._last_ok = anyio.current_time()
+        return int(reply.count)
+
+    async def _until_count(self, n: int, what: str) -> None:
+        """Poll the number of rank keys (one integer) until there are ``n``; then read the
+        namespace once and watch it from that revision on."""
+        if self._watching:
+            return
+        waited = 0
+        while True:
+            self.check(what)
+            try:
+                if await self._count() >= n:
+                    break
+            except StoreLost:
+                pass  # tried again at the next poll; fail() says when it is over
+            await anyio.sleep(min(0.02 * 2**waited, 0.25))
+            waited += 1
+        await self._whole_mirror()
+
+    async def _whole_mirror(self) -> None:
+        if self._watching:
+            return
+        reply = await self._call("read the job", self.client.get_prefix, self.root)
+        if self._watching:
+            return
+        self._revision = max(self._revision, reply.header.revision)
+        self._read_namespace([(kv.value, kv) for kv in reply.kvs])
+        self._start_watch()
+        self._changed_now()
 
     async def _put_record(self, record: RankRecord) -> None:
         tx = self.client.transactions

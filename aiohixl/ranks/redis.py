@@ -48,7 +48,9 @@ local function bump(k)
 end
 """
 
-_JOIN = _BUMP + """
+_JOIN = (
+    _BUMP
+    + """
 local fp = redis.call('GET', KEYS[3])
 if fp and fp ~= ARGV[5] then return {2} end
 local cur = redis.call('HGET', KEYS[1], 'owner')
@@ -63,9 +65,12 @@ redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[3])
 return {0}
 """
+)
 
 # every entry: {version, record...}; an entry that expired is pruned (and that is a change)
-_LIST = _BUMP + """
+_LIST = (
+    _BUMP
+    + """
 local out = {0}
 for _, r in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local rec = redis.call('HGET', ARGV[1] .. r, 'record')
@@ -77,6 +82,7 @@ end
 out[1] = tonumber(redis.call('GET', KEYS[2]) or '0')
 return out
 """
+)
 
 # what changed since version ARGV[1]: {version, rank, record or '' (gone), ...}
 _CHANGES = """
@@ -92,7 +98,9 @@ return out
 
 # prunes the entries that expired (each a change) as _LIST does, without reading any:
 # {version, how many entries the index holds}
-_PRUNE = _BUMP + """
+_PRUNE = (
+    _BUMP
+    + """
 for _, r in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   if redis.call('EXISTS', ARGV[1] .. r) == 0 then
     redis.call('SREM', KEYS[1], r)
@@ -101,8 +109,11 @@ for _, r in ipairs(redis.call('SMEMBERS', KEYS[1])) do
 end
 return {tonumber(redis.call('GET', KEYS[2]) or '0'), redis.call('SCARD', KEYS[1])}
 """
+)
 
-_LEAVE = _BUMP + """
+_LEAVE = (
+    _BUMP
+    + """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('DEL', KEYS[1])
   redis.call('SREM', KEYS[2], ARGV[2])
@@ -110,6 +121,7 @@ if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
 end
 return 0
 """
+)
 
 BARRIER_TTL_MS = 3_600_000
 
@@ -239,8 +251,10 @@ class RedisStore(Store):
                         "prune", self._prune_script, keys=self._list_keys(), args=[self.prefix + "rank:"]
                     )
                     # a mirror that lists another number of ranks missed something (a Redis that
-                    # restarted empty does not list the ranks that died meanwhile): read it whole
-                    await self._refresh_mirror(whole=int(count) != len(self.records))
+                    # restarted empty does not list the ranks that died meanwhile): read it whole.
+                    # Not read yet (a join storm: wait_ranks reads it once the count is there): not now.
+                    if self._version >= 0:
+                        await self._refresh_mirror(whole=int(count) != len(self.records))
                 except StoreLost:
                     continue  # said again by fail() once a whole lease passed without Redis
         except Exception as exc:  # a background task must not raise

@@ -307,7 +307,11 @@ class Store:
 
 def barrier_complete(records: dict[int, RankRecord], group: str, expected: int, arrived: set[int]) -> bool:
     """Whether every rank a barrier covers (the group's, or all when ``group`` is "") has entered it."""
-    members = {r for r, rec in records.items() if not group or rec.group == group}
+    if len(arrived) < expected:
+        return False
+    if not group:  # counts first: this is checked at every arrival, and at hundreds of ranks
+        return len(arrived) >= len(records) >= expected and records.keys() <= arrived
+    members = {r for r, rec in records.items() if rec.group == group}
     return len(members) >= expected and members <= arrived
 
 
