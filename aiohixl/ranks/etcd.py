@@ -24,11 +24,10 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 import anyio
-import sniffio
 
-from ..errors import AuthenticationError, ConnectTimeout, HixlError, InvalidArgument, ProtocolError, StoreLost
+from ..errors import AuthenticationError, ConnectTimeout, HixlError, ProtocolError, StoreLost
 from .record import RankRecord, StoreURL
-from .store import Store, barrier_complete
+from .store import Store, barrier_complete, client_library
 
 __all__ = ["EtcdStore"]
 
@@ -75,13 +74,9 @@ class EtcdStore(Store):
     @classmethod
     async def connect(cls, url: StoreURL, namespace: str, token: bytes, timeout: float) -> EtcdStore:
         what = f"store {url}"
-        if sniffio.current_async_library() != "asyncio":
-            raise InvalidArgument(f"{what}: the etcd store runs on asyncio only (use a tcp:// store under trio)")
-        try:
+        with client_library(what, "etcd", "aetcd"):
             import aetcd
             from aetcd.exceptions import UnauthenticatedError
-        except ImportError as exc:
-            raise InvalidArgument(f"{what}: needs aetcd (pip install 'aiohixl[etcd]'): {exc}") from None
         call_timeout = max(2.0, url.lease / 3)
         client = aetcd.Client(
             url.host, url.port, username=url.username, password=url.password, timeout=call_timeout, options=_CHANNEL
@@ -118,7 +113,7 @@ class EtcdStore(Store):
         """The record in a rank key's value; None for one written with another token."""
         if value[:FINGERPRINT] != self.fingerprint:
             return None
-        return RankRecord.decode(value[FINGERPRINT:], what)
+        return RankRecord.decode_shared(value[FINGERPRINT:], what)
 
     async def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
         """One etcd call; after a whole lease without an answer the store counts as lost."""

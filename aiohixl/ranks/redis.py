@@ -27,11 +27,10 @@ import hmac
 from typing import Any
 
 import anyio
-import sniffio
 
-from ..errors import AuthenticationError, ConnectTimeout, HixlError, InvalidArgument, StoreLost
+from ..errors import AuthenticationError, ConnectTimeout, HixlError, StoreLost
 from .record import RankRecord, StoreURL
-from .store import Store, barrier_complete
+from .store import Store, barrier_complete, client_library
 
 __all__ = ["RedisStore"]
 
@@ -147,14 +146,10 @@ class RedisStore(Store):
     @classmethod
     async def connect(cls, url: StoreURL, namespace: str, token: bytes, timeout: float) -> RedisStore:
         what = f"store {url}"
-        if sniffio.current_async_library() != "asyncio":
-            raise InvalidArgument(f"{what}: the redis store runs on asyncio only (use a tcp:// store under trio)")
-        try:
+        with client_library(what, "redis", "redis-py"):
             import redis.asyncio as aioredis
             from redis.exceptions import AuthenticationError as RedisAuthError
             from redis.exceptions import AuthorizationError, RedisError
-        except ImportError as exc:
-            raise InvalidArgument(f"{what}: needs redis-py (pip install 'aiohixl[redis]'): {exc}") from None
         client = aioredis.Redis(
             host=url.host,
             port=url.port,

@@ -12,18 +12,33 @@ whenever it changes, with a deadline.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import anyio
+import sniffio
 
 from .._loop.backends import Backend, current_backend
 from ..errors import HixlError, InvalidArgument, RankConflict, RendezvousTimeout, StoreLost, UnknownRank
 from .record import RankRecord, StoreURL
 
-__all__ = ["Store", "summary", "barrier_complete"]
+__all__ = ["Store", "summary", "barrier_complete", "client_library"]
 
 T = TypeVar("T")
+
+
+@contextmanager
+def client_library(what: str, extra: str, package: str) -> Iterator[None]:
+    """Around the imports of a store's client library (redis, etcd: named as their pip extra),
+    which runs on asyncio only: InvalidArgument under another event loop, or when ``package``
+    is not installed."""
+    if sniffio.current_async_library() != "asyncio":
+        raise InvalidArgument(f"{what}: the {extra} store runs on asyncio only (use a tcp:// store under trio)")
+    try:
+        yield
+    except ImportError as exc:
+        raise InvalidArgument(f"{what}: needs {package} (pip install 'aiohixl[{extra}]'): {exc}") from None
 
 
 def summary(records: dict[int, RankRecord], limit: int = 16) -> str:
