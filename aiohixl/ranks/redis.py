@@ -309,6 +309,9 @@ class RedisStore(Store):
             await anyio.sleep(min(0.02 * 2**waited, 0.25))
             waited += 1
 
+    async def _whole_mirror(self) -> None:
+        await self.sync()
+
     async def _next_change(self, waited: int) -> None:
         await anyio.sleep(min(0.02 * 2**waited, 0.25))
         try:
