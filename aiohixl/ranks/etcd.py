@@ -68,6 +68,7 @@ class EtcdStore(Store):
         self._arrived: dict[tuple[str, int], set[int]] = {}
         self._waiting: dict[tuple[str, int], tuple[str, int]] = {}  # barriers we entered: group, expected
         self._released: set[tuple[str, int]] = set()
+        self._membership = 0  # raised by every rank that comes or goes in the mirror
         self._last_ok = anyio.current_time()
         self._watching = False  # the mirror is read and watched (at the join, or once members_at joined)
 
@@ -170,7 +171,7 @@ class EtcdStore(Store):
         return None
 
     def _read_namespace(self, kvs: Any) -> None:
-        """Fill the mirror (and the barriers' arrivals) from a read of the whole namespace."""
+        """Fill the mirror from a read of the whole namespace."""
         records: dict[int, RankRecord] = {}
         foreign = 0
         for value, meta in kvs:
@@ -181,8 +182,6 @@ class EtcdStore(Store):
                     foreign += 1
                 else:
                     records[rec.rank] = rec
-            else:
-                self._apply_barrier(parts, True)
         if foreign:
             raise AuthenticationError(
                 f"{self.label}: {foreign} of the job's entries were made with another token{_HINT}"
@@ -292,7 +291,11 @@ class EtcdStore(Store):
         try:
             while not self.closed and self.broken is None:
                 try:
-                    watch = await self.client.watch_prefix(self.root, start_revision=self._revision + 1)
+                    # done/ and rank/ (in key order, nothing between them): not barrier/, whose
+                    # arrivals would be an event to every rank from every rank
+                    watch = await self.client.watch(
+                        self.root + b"done/", _range_end(self.root + b"rank/"), start_revision=self._revision + 1
+                    )
                     async for event in watch:
                         self._last_ok = anyio.current_time()
                         self._apply(event)
@@ -319,22 +322,19 @@ class EtcdStore(Store):
         try:
             if parts[0] == b"rank" and len(parts) == 2:
                 self._apply_rank(int(parts[1]), bytes(kv.value) if put else None)
-            else:
-                self._apply_barrier(parts, put)
+            elif parts[0] == b"done" and len(parts) == 3 and put:
+                bk = (unquote(parts[1].decode()), int(parts[2]))
+                if bk in self._waiting:
+                    self._released.add(bk)
         except (ValueError, ProtocolError) as exc:
             self.fail(f"etcd holds a malformed entry {bytes(kv.key)!r}: {exc}")
-        # decided here, event by event: a rank leaving right after a barrier completed cannot undo it
-        for bk, (group, expected) in self._waiting.items():
-            if bk not in self._released and barrier_complete(
-                self.records, group, expected, self._arrived.get(bk, set())
-            ):
-                self._released.add(bk)
         self._changed_now()
 
     def _apply_rank(self, rank: int, value: bytes | None) -> None:
         own = self.own
         if value is None:
-            self.records.pop(rank, None)
+            if self.records.pop(rank, None) is not None:
+                self._membership += 1
             if own is not None and rank == own.rank and not self.closed:
                 self.fail(f"rank {rank}'s entry was removed from etcd (its lease ended?)")
             return
@@ -343,38 +343,73 @@ class EtcdStore(Store):
             return  # another token's (refused at join), or misfiled
         if own is not None and rank == own.rank and rec.agent_id == own.agent_id:
             rec = own  # ours as we last published it: an older put may still be on its way
+        if rank not in self.records:
+            self._membership += 1
         self.records[rank] = rec
-
-    def _apply_barrier(self, parts: list[bytes], put: bool) -> None:
-        if parts[0] != b"barrier" or len(parts) != 4:
-            return
-        bk = (unquote(parts[1].decode()), int(parts[2]))
-        arrived = self._arrived.setdefault(bk, set())
-        if put:
-            arrived.add(int(parts[3]))
-        else:
-            arrived.discard(int(parts[3]))
-            if not arrived:
-                del self._arrived[bk]
 
     async def _next_change(self, waited: int) -> None:
         await self._changed.wait()
 
+    def _done_key(self, key: str, gen: int) -> bytes:
+        return self.root + f"done/{quote(key, safe='')}/{gen}".encode()
+
     async def _arrive(self, key: str, gen: int, group: str, expected: int) -> None:
+        """Enter: one transaction writes our arrival and reads, at its revision, the barrier's
+        arrivals and the ranks. Whoever finds it complete (the last to enter, or a rank that sees
+        a member go) writes ``done/K/G``; the others are released by that key's event, so a rank
+        that leaves right after cannot undo it. No rank watches the arrivals: at N ranks that
+        was N x N events per barrier."""
         assert self.own is not None
         tx = self.client.transactions
         bk = (key, gen)
         self._waiting[bk] = (group, expected)
+        arrivals = self.root + f"barrier/{quote(key, safe='')}/{gen}/".encode()
+        ranks = self.root + b"rank/"
+        reads = [tx.get(arrivals, _range_end(arrivals)), tx.get(ranks, _range_end(ranks))]
         try:
             ops = [tx.put(self._barrier_key(key, gen, self.own.rank), b"", lease=self.lease)]
             if gen > 1:  # every rank of the last one was released at a revision before this one
                 ops.append(tx.delete(self._barrier_key(key, gen - 1, self.own.rank)))
-            await self._call(f"barrier {key}", self.client.transaction, compare=[], success=ops, failure=[])
-            done = await self.wait_for(f"barrier {key}", lambda: True if bk in self._released else None, math.inf)
-            assert done
+            seen = self._membership
+            _, replies = await self._call(
+                f"barrier {key}", self.client.transaction, compare=[], success=ops + reads, failure=[]
+            )
+            while True:
+                if self._complete_at(bk, group, expected, replies[-2], replies[-1]):
+                    done = [tx.put(self._done_key(key, gen), b"", lease=self.lease)]
+                    if gen > 1:
+                        done.append(tx.delete(self._done_key(key, gen - 1)))
+                    await self._call(f"barrier {key}", self.client.transaction, compare=[], success=done, failure=[])
+                    return
+                if bk in self._released:
+                    return
+                self.check(f"barrier {key}")
+                await self.wait_for(
+                    f"barrier {key}",
+                    lambda seen=seen: True if bk in self._released or self._membership != seen else None,  # type: ignore[misc]
+                    math.inf,
+                )
+                if bk in self._released:
+                    return
+                seen = self._membership  # a rank came or went: read the arrivals again
+                _, replies = await self._call(
+                    f"barrier {key}", self.client.transaction, compare=[], success=reads, failure=[]
+                )
         finally:
             self._waiting.pop(bk, None)
             self._released.discard(bk)
+            self._arrived.pop(bk, None)
+
+    def _complete_at(self, bk: tuple[str, int], group: str, expected: int, arrivals: Any, ranks: Any) -> bool:
+        """Whether the barrier is complete by one revision's arrivals and ranks (read together)."""
+        arrived = {int(bytes(meta.key).rsplit(b"/", 1)[1]) for _, meta in arrivals}
+        self._arrived[bk] = arrived
+        records: dict[int, RankRecord] = {}
+        for value, _ in ranks:
+            rec = self._decode(value, "etcd rank entry")
+            if rec is not None:
+                records[rec.rank] = rec
+        return barrier_complete(records, group, expected, arrived)
 
     def _barrier_detail(self, key: str, gen: int) -> str:
         return f"; entered: ranks {sorted(self._arrived.get((key, gen), set()))}"
