@@ -6,11 +6,14 @@ no ``/``), under PREFIX (default ``aiohixl``; docs/ranks.md)::
 
     PREFIX/NS/rank/R            fingerprint (32 bytes) + RankRecord bytes   the rank's lease
     PREFIX/NS/barrier/K/G/R     empty: rank R entered barrier K, generation G the rank's lease
+    PREFIX/NS/done/K/G          empty: barrier K, generation G completed       its writer's lease
 
 Each rank grants one lease and keeps it alive every lease/3 seconds; a dead
-rank's keys go with its lease, within one lease. A watch on PREFIX/NS/ from
-the join's revision on keeps the mirror current (no polling), and barriers are
-decided on it event by event, in etcd's revision order, as the tcp server does.
+rank's keys go with its lease, within one lease. A watch on PREFIX/NS/done/ to
+PREFIX/NS/rank/ (not the arrivals), from the revision the namespace was read
+at, keeps the mirror current (no polling). A barrier is decided at one
+revision by whoever finds it complete (its arrival transaction reads the
+arrivals and the ranks), who writes done/K/G; its event releases the others.
 The fingerprint is HMAC-SHA256(token, "aiohixl-store:" NS): a joiner that finds
 another one in the namespace is refused. Values are never pickled.
 """
