@@ -553,3 +553,25 @@ async def test_tcp_store_tells_a_waiting_rank_of_no_join_before_its_count():
         for st in stores:
             await st.aclose()
         await server.aclose()
+
+
+async def test_a_region_published_after_a_rank_was_looked_up_is_found_and_a_restart_replaces_it(store):
+    """A rank's later regions reach the ranks that looked it up (tcp: STORE_WATCH; etcd: a watch
+    on its regions key alone), and its restarted process's regions replace the old ones."""
+    async with await init(store, 0) as ctx:
+        async with await init(store, 4, "decode") as other:
+            other.allocate_registered(4096, name="kv")
+            first = await ctx.get_remote_mem(4, timeout=60)
+            weights = other.allocate_registered(8192, name="weights")
+            remote = await ctx.get_remote_mem(4, name="weights", timeout=60)
+            assert remote.nbytes == 8192 and first.nbytes == 4096
+            await ctx.put(remote[:4096], ctx.register(pattern(4096, 9)))
+            assert bytes(weights.memory[:4096]) == pattern(4096, 9).tobytes()
+        async with await init(store, 4, "decode", timeout=60) as again:
+            again.allocate_registered(16384, name="kv")
+            await wait_until(
+                lambda: (r := ctx.store.records.get(4)) is not None and r.agent_id == again.agent.id,
+                timeout=60,
+                what="the new rank 4",
+            )
+            assert (await ctx.get_remote_mem(4, timeout=60)).nbytes == 16384

@@ -72,6 +72,7 @@ class EtcdStore(Store):
         self._waiting: dict[tuple[str, int], tuple[str, int]] = {}  # barriers we entered: group, expected
         self._released: set[tuple[str, int]] = set()
         self._membership = 0  # raised by every rank that comes or goes in the mirror
+        self._regions: dict[int, RankRecord] = {}  # the watched ranks' regions/R records
         self._last_ok = anyio.current_time()
         self._watching = False  # the mirror is read and watched (at the join, or once members_at joined)
 
@@ -109,6 +110,19 @@ class EtcdStore(Store):
 
     def _rank_key(self, rank: int) -> bytes:
         return self.root + f"rank/{rank}".encode()
+
+    def _regions_key(self, rank: int) -> bytes:
+        return self.root + f"regions/{rank}".encode()
+
+    def _apply_regions(self, rank: int, value: bytes) -> None:
+        """A watched rank's record with its regions (``regions/R``): the mirror's, while that agent holds the rank."""
+        rec = self._decode(value, "etcd regions entry")
+        if rec is None or rec.rank != rank:
+            return
+        self._regions[rank] = rec
+        held = self.records.get(rank)
+        if held is not None and held.agent_id == rec.agent_id and (self.own is None or rank != self.own.rank):
+            self.records[rank] = rec
 
     def _barrier_key(self, key: str, gen: int, rank: int) -> bytes:
         return self.root + f"barrier/{quote(key, safe='')}/{gen}/{rank}".encode()
@@ -196,7 +210,10 @@ class EtcdStore(Store):
     def _start_watch(self) -> None:
         assert not self._watching
         self._watching = True
-        self._backend.spawn(self._watch_loop, f"aiohixl-store-watch-{self.namespace}")
+        # done/ and rank/ (in key order, nothing between them): not barrier/, whose arrivals
+        # would be an event to every rank from every rank, nor regions/ (watched one by one)
+        start, end = self.root + b"done/", _range_end(self.root + b"rank/")
+        self._backend.spawn(lambda: self._watch_loop(start, end, None), f"aiohixl-store-watch-{self.namespace}")
 
     def _complete(self) -> bool:
         return self._watching
@@ -254,11 +271,22 @@ class EtcdStore(Store):
             f"publish rank {record.rank}",
             self.client.transaction,
             compare=[tx.create(key) == self._created],
-            success=[tx.put(key, self.fingerprint + record.encode(), lease=self.lease)],
+            # regions/R, not rank/R: the ranks' watch would carry each publish to every rank
+            success=[tx.put(self._regions_key(record.rank), self.fingerprint + record.encode(), lease=self.lease)],
             failure=[],
         )
         if not ok:
             self.fail(f"rank {record.rank}'s entry is gone from etcd (did this process stall past its lease?)")
+
+    async def _watch(self, rank: int) -> None:
+        """Read ``regions/R`` now and watch it from that revision on (a lookup of a region asks)."""
+        key = self._regions_key(rank)
+        reply = await self._call(f"read rank {rank}'s regions", self.client.get_range, key, key + b"\0")
+        revision = [reply.header.revision]  # watched from there on, even when there is nothing yet
+        for kv in reply.kvs:
+            self._apply_regions(rank, bytes(kv.value))
+        self._changed_now()
+        self._backend.spawn(lambda: self._watch_loop(key, None, revision), f"aiohixl-store-watch-regions-{rank}")
 
     async def _keep_lease(self) -> None:
         """Refresh our lease every lease/3 s until closed; a lease etcd no longer has loses the store."""
@@ -286,21 +314,21 @@ class EtcdStore(Store):
         except Exception as exc:  # a background task must not raise
             self.fail(f"refreshing the lease failed: {exc!r}")
 
-    async def _watch_loop(self) -> None:
-        """Apply every change under the namespace to the mirror, resuming after the last revision seen."""
+    async def _watch_loop(self, start: bytes, end: bytes | None, revision: list[int] | None) -> None:
+        """Apply every change of keys ``start`` to ``end`` (``start`` alone: None) to the mirror,
+        resuming after the last revision seen (``revision[0]``; the mirror's when None)."""
         import aetcd
 
         pause = 0.05
         try:
             while not self.closed and self.broken is None:
                 try:
-                    # done/ and rank/ (in key order, nothing between them): not barrier/, whose
-                    # arrivals would be an event to every rank from every rank
-                    watch = await self.client.watch(
-                        self.root + b"done/", _range_end(self.root + b"rank/"), start_revision=self._revision + 1
-                    )
+                    since = self._revision if revision is None else revision[0]
+                    watch = await self.client.watch(start, end, start_revision=since + 1)
                     async for event in watch:
                         self._last_ok = anyio.current_time()
+                        if revision is not None:
+                            revision[0] = max(revision[0], event.kv.mod_revision)
                         self._apply(event)
                         pause = 0.05
                 except aetcd.RevisionCompactedError as exc:
@@ -319,12 +347,18 @@ class EtcdStore(Store):
         import aetcd
 
         kv = event.kv
-        self._revision = max(self._revision, kv.mod_revision)
+        if not bytes(kv.key).startswith(self.root + b"regions/"):  # their watches keep their own
+            self._revision = max(self._revision, kv.mod_revision)
         put = event.kind == aetcd.EventKind.PUT
         parts = bytes(kv.key)[len(self.root) :].split(b"/")
         try:
             if parts[0] == b"rank" and len(parts) == 2:
                 self._apply_rank(int(parts[1]), bytes(kv.value) if put else None)
+            elif parts[0] == b"regions" and len(parts) == 2:
+                if put:
+                    self._apply_regions(int(parts[1]), bytes(kv.value))
+                else:
+                    self._regions.pop(int(parts[1]), None)
             elif parts[0] == b"done" and len(parts) == 3 and put:
                 bk = (unquote(parts[1].decode()), int(parts[2]))
                 if bk in self._waiting:
@@ -346,6 +380,10 @@ class EtcdStore(Store):
             return  # another token's (refused at join), or misfiled
         if own is not None and rank == own.rank and rec.agent_id == own.agent_id:
             rec = own  # ours as we last published it: an older put may still be on its way
+        else:
+            regions = self._regions.get(rank)
+            if regions is not None and regions.agent_id == rec.agent_id:
+                rec = regions  # the rank as joined, with the regions it published since
         if rank not in self.records:
             self._membership += 1
         self.records[rank] = rec
