@@ -5,6 +5,7 @@ gRPC client; asyncio only). Keys of a job namespace NS (``quote``d, so it holds
 no ``/``), under PREFIX (default ``aiohixl``; docs/ranks.md)::
 
     PREFIX/NS/rank/R            fingerprint (32 bytes) + RankRecord bytes   the rank's lease
+    PREFIX/NS/regions/R         fingerprint + the rank's latest record      the rank's lease
     PREFIX/NS/barrier/K/G/R     empty: rank R entered barrier K, generation G the rank's lease
     PREFIX/NS/done/K/G          empty: barrier K, generation G completed       its writer's lease
 
@@ -14,6 +15,7 @@ PREFIX/NS/rank/ (not the arrivals), from the revision the namespace was read
 at, keeps the mirror current (no polling). A barrier is decided at one
 revision by whoever finds it complete (its arrival transaction reads the
 arrivals and the ranks), who writes done/K/G; its event releases the others.
+Publishing writes regions/R, which only the ranks that looked R up watch.
 The fingerprint is HMAC-SHA256(token, "aiohixl-store:" NS): a joiner that finds
 another one in the namespace is refused. Values are never pickled.
 """
