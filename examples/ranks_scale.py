@@ -6,7 +6,9 @@ N ranks run in ``--procs`` processes. Each process imports, starts and waits for
 every rank joins (``aiohixl.init(..., world_size=N)``), publishes one region, and all enter a
 ``barrier()``: "join+barrier" is from "go" until the last rank left that barrier. Then each
 rank puts 4 KiB to 3 others (ranks in other processes, mostly), a second barrier, and each
-checks that the 3 puts to it landed ("puts+barrier" is that phase, connections included).
+checks that the 3 puts to it landed ("puts+barrier" is that phase, connections included;
+"first put" the median over every rank's 3 of one ``get_remote_mem`` + 4 KiB put to a rank it
+has not used yet: the store lookup, the connection and its handshake, the put).
 Sockets per rank: the process's open sockets (store connection, listener, peers' control
 and data connections, both directions) divided by its ranks; RSS per rank: the process's
 resident memory after the run, less what it held before the first rank started, divided by
@@ -26,6 +28,7 @@ import os
 import resource
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,7 +41,7 @@ FANOUT = 3
 # A process's event loop serves all its ranks; on a small shared machine it can stall for longer
 # than the default 5 s heartbeat timeout, which would count its peers as lost.
 HEARTBEAT = 60.0
-HEADER = "{:>6} {:>13} {:>8} {:>13} {:>13} {:>11} {:>10}"
+HEADER = "{:>6} {:>13} {:>8} {:>13} {:>10} {:>13} {:>11} {:>10}"
 
 
 def free_port() -> int:
@@ -103,11 +106,15 @@ async def child(store: str, ranks: list[int], world: int, job: str) -> None:
     t_joined = time.monotonic()
     cpu_joined = sum(os.times()[:2]) - cpu0
 
+    first: list[float] = []
+
     async def put_all(ctx: aiohixl.Context) -> None:
         src = ctx.register(bytearray(ctx.rank.to_bytes(4, "little") * (SLOT // 4)))
         for k, t in enumerate(targets(ctx.rank, world)):
+            t0 = time.perf_counter()
             remote = await ctx.get_remote_mem(t, timeout=600)
             await ctx.put(remote[k * SLOT : (k + 1) * SLOT], src)  # slot k: one sender per slot
+            first.append(time.perf_counter() - t0)
         await ctx.barrier(timeout=600)
 
     await asyncio.gather(*(put_all(ctx) for ctx, _ in joined))
@@ -128,6 +135,7 @@ async def child(store: str, ranks: list[int], world: int, job: str) -> None:
         "rss": rss_bytes() - base_rss,
         "sockets": open_sockets() - base_sockets,
         "peers": sum(len(ctx._peers) for ctx, _ in joined),
+        "first": first,
     }
     print(json.dumps(report), flush=True)
     await asyncio.to_thread(sys.stdin.readline)  # everybody is done: leave (rank 0's process last)
@@ -187,6 +195,7 @@ def run(store: str, n: int, procs: int) -> dict[str, float]:
         "sockets_per_rank": sum(r["sockets"] for r in reports) / n,
         "peers_per_rank": sum(r["peers"] for r in reports) / n,
         "rss_mib_per_rank": sum(r["rss"] for r in reports) / n / (1 << 20),
+        "first_put_ms": statistics.median(t for r in reports for t in r["first"]) * 1e3,
     }
 
 
@@ -277,7 +286,8 @@ def main() -> int:
     server = StoreServer(args.store)
     print(f"store {server.kind}, {args.procs} processes, {os.cpu_count()} CPUs; each rank: 1 region, barrier,")
     print(f"{FANOUT} puts of {SLOT} B to other ranks, barrier")
-    print(HEADER.format("ranks", "join+barrier", "(CPU)", "puts+barrier", "sockets/rank", "peers/rank", "RSS/rank"))
+    cols = ("ranks", "join+barrier", "(CPU)", "puts+barrier", "first put", "sockets/rank", "peers/rank", "RSS/rank")
+    print(HEADER.format(*cols))
     rows = []
     try:
         for n in (int(x) for x in args.ranks.split(",")):
@@ -288,6 +298,7 @@ def main() -> int:
             rows.append({"store": server.kind, "ranks": n, **r})
             ok = "" if r["bad"] == 0 else f"   {int(r['bad'])} PUTS WRONG"
             cells = [f"{r['join_barrier_s']:.2f} s", f"{r['join_barrier_cpu_s']:.2f} s", f"{r['puts_barrier_s']:.2f} s"]
+            cells += [f"{r['first_put_ms']:.1f} ms"]
             cells += [f"{r['sockets_per_rank']:.1f}", f"{r['peers_per_rank']:.1f}", f"{r['rss_mib_per_rank']:.2f} MiB"]
             print(HEADER.format(n, *cells) + ok, flush=True)
     finally:

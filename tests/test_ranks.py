@@ -482,3 +482,96 @@ def test_32_ranks_in_2_processes_each_put_to_3_others_and_connect_to_only_those(
     [row] = json.loads(rows.read_text())
     assert row["ranks"] == 32 and row["bad"] == 0, row
     assert row["peers_per_rank"] == 3, row
+
+
+async def test_a_rank_waiting_for_world_size_returns_once_all_joined_and_lists_them_all(store):
+    """init(world_size=N) joins without the namespace (the store gives it once N ranks are
+    there): it returns only then, listing every rank, and a rank joined without world_size
+    hears of each join as before."""
+    waiting = [asyncio.ensure_future(init(store, r, world_size=4)) for r in (0, 1)]
+    ctxs: list = []
+    try:
+        async with await init(store, 3, "decode") as observer:
+            assert await observer.wait_ranks(3, timeout=60) == [0, 1, 3]
+            assert not any(t.done() for t in waiting)  # 3 of 4: neither can have returned
+            ctxs.append(await init(store, 2, world_size=4))
+            ctxs += await asyncio.gather(*waiting)
+            for ctx in ctxs:
+                assert ctx.ranks() == [0, 1, 2, 3] and ctx.group_of(3) == "decode"
+            await wait_until(lambda: observer.ranks() == [0, 1, 2, 3], timeout=60, what="the observer hears rank 2")
+            # publishing and lookups work on the mirror given at once
+            kv = observer.allocate_registered(4096)
+            remote = await ctxs[0].get_remote_mem(3, timeout=60)
+            await ctxs[0].put(remote, ctxs[0].register(pattern(4096, 7)))
+            assert bytes(kv.memory) == pattern(4096, 7).tobytes()
+            await asyncio.gather(observer.barrier(timeout=60), *(c.barrier(timeout=60) for c in ctxs))
+    finally:
+        for t in waiting:
+            t.cancel()
+        for ctx in sorted(ctxs, key=lambda c: c.rank, reverse=True):  # rank 0 (the tcp store) last
+            await ctx.aclose()
+
+
+async def test_a_world_size_never_reached_is_a_rendezvous_timeout_naming_who_joined(store):
+    async with await init(store, 0) as first:
+        with pytest.raises(aiohixl.RendezvousTimeout, match=r"2 of 3 ranks .*holds ranks 0-1 \(prefill\)"):
+            await init(store, 1, world_size=3, timeout=1)
+        assert first.ranks() in ([0], [0, 1])  # rank 1 left when init failed (Redis/etcd: at once or within a lease)
+
+
+async def test_tcp_store_tells_a_waiting_rank_of_no_join_before_its_count():
+    """Over tcp, a client that asked for the membership at n ranks (STORE_MEMBERS before its
+    join) hears of no join before the store holds n ranks, then gets every record at once."""
+    from aiohixl._control import handshake as c
+    from aiohixl.ranks.record import RankRecord, parse_store_url
+    from aiohixl.ranks.tcp import StoreServer, TcpStore
+
+    server = StoreServer("127.0.0.1", 0, TOKEN.encode())
+    await server.start()
+    url = parse_store_url(f"tcp://{server.address}", "test")
+    stores: list[TcpStore] = []
+
+    async def join(rank: int, group: str, members_at: int) -> TcpStore:
+        me = c.Identity(os.urandom(16), f"r{rank}", c.HostIdentity.local(), [])
+        st = await TcpStore.connect(url, "job", TOKEN.encode(), me, 10)
+        stores.append(st)
+        rec = RankRecord(rank, group, "127.0.0.1:1", me.agent_id, me.name, "h", os.getpid(), members_at)
+        await st.join(rec, 10, members_at=members_at)
+        return st
+
+    try:
+        waiting = await join(0, "solo", 3)
+        await join(1, "prefill", 0)
+        # a barrier of waiting's own group is released on its connection after anything the store
+        # sent it for rank 1's join: once it returns, waiting has read all of that
+        await waiting.barrier("solo", 0, 10, "barrier")
+        assert sorted(waiting.records) == [0] and not waiting._complete()
+        third = await join(2, "prefill", 0)
+        assert await waiting.wait_ranks(3, None, 10, "wait") == [0, 1, 2]
+        assert sorted(third.records) == [0, 1, 2]
+    finally:
+        for st in stores:
+            await st.aclose()
+        await server.aclose()
+
+
+async def test_a_region_published_after_a_rank_was_looked_up_is_found_and_a_restart_replaces_it(store):
+    """A rank's later regions reach the ranks that looked it up (tcp: STORE_WATCH; etcd: a watch
+    on its regions key alone), and its restarted process's regions replace the old ones."""
+    async with await init(store, 0) as ctx:
+        async with await init(store, 4, "decode") as other:
+            other.allocate_registered(4096, name="kv")
+            first = await ctx.get_remote_mem(4, timeout=60)
+            weights = other.allocate_registered(8192, name="weights")
+            remote = await ctx.get_remote_mem(4, name="weights", timeout=60)
+            assert remote.nbytes == 8192 and first.nbytes == 4096
+            await ctx.put(remote[:4096], ctx.register(pattern(4096, 9)))
+            assert bytes(weights.memory[:4096]) == pattern(4096, 9).tobytes()
+        async with await init(store, 4, "decode", timeout=60) as again:
+            again.allocate_registered(16384, name="kv")
+            await wait_until(
+                lambda: (r := ctx.store.records.get(4)) is not None and r.agent_id == again.agent.id,
+                timeout=60,
+                what="the new rank 4",
+            )
+            assert (await ctx.get_remote_mem(4, timeout=60)).nbytes == 16384

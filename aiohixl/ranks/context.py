@@ -431,7 +431,7 @@ async def init(
         record = RankRecord(
             rank, group, address, agent.id, agent.name, agent.host_identity.host, os.getpid(), world_size or 0
         )
-        await st.join(record, timeout)
+        await st.join(record, timeout, members_at=world_size or 0)
         ctx = Context(rank, group, world_size, st, agent, address, server)
         if world_size is not None:
             await ctx.wait_ranks(world_size, timeout=timeout)

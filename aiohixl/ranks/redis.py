@@ -27,21 +27,35 @@ import hmac
 from typing import Any
 
 import anyio
-import sniffio
 
-from ..errors import AuthenticationError, ConnectTimeout, HixlError, InvalidArgument, StoreLost
+from ..errors import AuthenticationError, ConnectTimeout, HixlError, StoreLost
 from .record import RankRecord, StoreURL
-from .store import Store, barrier_complete
+from .store import Store, barrier_complete, client_library
 
 __all__ = ["RedisStore"]
 
-_JOIN = """
+# The version counter of a namespace that (re)starts begins at Redis's clock in microseconds, so
+# every change after a restart of an empty Redis scores above every version a rank saw before it:
+# reading what changed since then finds each entry written again.
+_BUMP = """
+local function bump(k)
+  if redis.call('EXISTS', k) == 0 then
+    local t = redis.call('TIME')
+    redis.call('SET', k, string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2])))
+  end
+  return redis.call('INCR', k)
+end
+"""
+
+_JOIN = (
+    _BUMP
+    + """
 local fp = redis.call('GET', KEYS[3])
 if fp and fp ~= ARGV[5] then return {2} end
 local cur = redis.call('HGET', KEYS[1], 'owner')
 if cur and cur ~= ARGV[1] then return {1, redis.call('HGET', KEYS[1], 'record')} end
 if redis.call('HGET', KEYS[1], 'record') ~= ARGV[2] then
-  redis.call('ZADD', KEYS[5], redis.call('INCR', KEYS[4]), ARGV[4])
+  redis.call('ZADD', KEYS[5], bump(KEYS[4]), ARGV[4])
 end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'record', ARGV[2])
 for i = 1, 5 do if i ~= 3 then redis.call('PEXPIRE', KEYS[i], ARGV[3]) end end
@@ -50,20 +64,24 @@ redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[3])
 return {0}
 """
+)
 
 # every entry: {version, record...}; an entry that expired is pruned (and that is a change)
-_LIST = """
+_LIST = (
+    _BUMP
+    + """
 local out = {0}
 for _, r in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local rec = redis.call('HGET', ARGV[1] .. r, 'record')
   if rec then table.insert(out, rec) else
     redis.call('SREM', KEYS[1], r)
-    redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[2]), r)
+    redis.call('ZADD', KEYS[3], bump(KEYS[2]), r)
   end
 end
 out[1] = tonumber(redis.call('GET', KEYS[2]) or '0')
 return out
 """
+)
 
 # what changed since version ARGV[1]: {version, rank, record or '' (gone), ...}
 _CHANGES = """
@@ -77,14 +95,32 @@ end
 return out
 """
 
-_LEAVE = """
+# prunes the entries that expired (each a change) as _LIST does, without reading any:
+# {version, how many entries the index holds}
+_PRUNE = (
+    _BUMP
+    + """
+for _, r in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('EXISTS', ARGV[1] .. r) == 0 then
+    redis.call('SREM', KEYS[1], r)
+    redis.call('ZADD', KEYS[3], bump(KEYS[2]), r)
+  end
+end
+return {tonumber(redis.call('GET', KEYS[2]) or '0'), redis.call('SCARD', KEYS[1])}
+"""
+)
+
+_LEAVE = (
+    _BUMP
+    + """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('DEL', KEYS[1])
   redis.call('SREM', KEYS[2], ARGV[2])
-  redis.call('ZADD', KEYS[4], redis.call('INCR', KEYS[3]), ARGV[2])
+  redis.call('ZADD', KEYS[4], bump(KEYS[3]), ARGV[2])
 end
 return 0
 """
+)
 
 BARRIER_TTL_MS = 3_600_000
 
@@ -101,6 +137,7 @@ class RedisStore(Store):
         self._join_script = client.register_script(_JOIN)
         self._list_script = client.register_script(_LIST)
         self._changes_script = client.register_script(_CHANGES)
+        self._prune_script = client.register_script(_PRUNE)
         self._leave_script = client.register_script(_LEAVE)
         self._last_ok = anyio.current_time()
         self._refreshing = False
@@ -109,14 +146,10 @@ class RedisStore(Store):
     @classmethod
     async def connect(cls, url: StoreURL, namespace: str, token: bytes, timeout: float) -> RedisStore:
         what = f"store {url}"
-        if sniffio.current_async_library() != "asyncio":
-            raise InvalidArgument(f"{what}: the redis store runs on asyncio only (use a tcp:// store under trio)")
-        try:
+        with client_library(what, "redis", "redis-py"):
             import redis.asyncio as aioredis
             from redis.exceptions import AuthenticationError as RedisAuthError
             from redis.exceptions import AuthorizationError, RedisError
-        except ImportError as exc:
-            raise InvalidArgument(f"{what}: needs redis-py (pip install 'aiohixl[redis]'): {exc}") from None
         client = aioredis.Redis(
             host=url.host,
             port=url.port,
@@ -152,6 +185,9 @@ class RedisStore(Store):
     def _change_keys(self) -> list[str]:
         return [self.prefix + "version", self.prefix + "changes"]
 
+    def _list_keys(self) -> list[str]:
+        return [self.prefix + "ranks", *self._change_keys()]
+
     async def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
         """One Redis call; after a whole lease without an answer the store counts as lost."""
         from redis.exceptions import RedisError
@@ -178,7 +214,8 @@ class RedisStore(Store):
             )
         if reply[0] == 1:
             return RankRecord.decode(reply[1], "redis rank entry")
-        await self._refresh_mirror()
+        if self.members_at <= 1:  # else wait_ranks reads the namespace once the count is there
+            await self._refresh_mirror()
         if not self._refreshing:
             self._refreshing = True
             self._backend.spawn(self._keep_lease, f"aiohixl-store-lease-{record.rank}")
@@ -203,7 +240,16 @@ class RedisStore(Store):
                             f"rank {self.own.rank}'s entry was taken over (did this process stall past its lease?)"
                         )
                         return
-                    await self._refresh_mirror(whole=True)  # entries that expired are found here
+                    # entries that expired are found here (pruned in Redis: a change each), and the
+                    # mirror reads what changed: not every entry, every lease/3 s, on every rank
+                    _, count = await self._call(
+                        "prune", self._prune_script, keys=self._list_keys(), args=[self.prefix + "rank:"]
+                    )
+                    # a mirror that lists another number of ranks missed something (a Redis that
+                    # restarted empty does not list the ranks that died meanwhile): read it whole.
+                    # Not read yet (a join storm: wait_ranks reads it once the count is there): not now.
+                    if self._version >= 0:
+                        await self._refresh_mirror(whole=int(count) != len(self.records))
                 except StoreLost:
                     continue  # said again by fail() once a whole lease passed without Redis
         except Exception as exc:  # a background task must not raise
@@ -228,8 +274,7 @@ class RedisStore(Store):
                         records.pop(int(rank), None)
                 self._apply(records, version)
         if whole or self._version < 0:
-            keys = [self.prefix + "ranks", *self._change_keys()]
-            blobs = await self._call("list", self._list_script, keys=keys, args=[self.prefix + "rank:"])
+            blobs = await self._call("list", self._list_script, keys=self._list_keys(), args=[self.prefix + "rank:"])
             records = {}
             for blob in blobs[1:]:
                 rec = RankRecord.decode_shared(blob, "redis rank entry")
@@ -247,6 +292,25 @@ class RedisStore(Store):
             await self._refresh_mirror()
         except StoreLost:
             pass  # the mirror stays as it was; fail() says when the store is lost for good
+
+    async def _until_count(self, n: int, what: str) -> None:
+        """Poll the index's size (one integer) until it lists ``n`` ranks; the records are read after.
+
+        The index may still list an entry that expired (pruned at the next refresh): then the
+        mirror's wait that follows finds fewer, and polls what changed, as before."""
+        waited = 0
+        while True:
+            self.check(what)
+            try:
+                if await self._call("count", self.client.scard, self.prefix + "ranks") >= n:
+                    return
+            except StoreLost:
+                pass  # tried again at the next poll; fail() says when it is over
+            await anyio.sleep(min(0.02 * 2**waited, 0.25))
+            waited += 1
+
+    async def _whole_mirror(self) -> None:
+        await self.sync()
 
     async def _next_change(self, waited: int) -> None:
         await anyio.sleep(min(0.02 * 2**waited, 0.25))

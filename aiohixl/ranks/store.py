@@ -12,18 +12,33 @@ whenever it changes, with a deadline.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import anyio
+import sniffio
 
 from .._loop.backends import Backend, current_backend
 from ..errors import HixlError, InvalidArgument, RankConflict, RendezvousTimeout, StoreLost, UnknownRank
 from .record import RankRecord, StoreURL
 
-__all__ = ["Store", "summary", "barrier_complete"]
+__all__ = ["Store", "summary", "barrier_complete", "client_library"]
 
 T = TypeVar("T")
+
+
+@contextmanager
+def client_library(what: str, extra: str, package: str) -> Iterator[None]:
+    """Around the imports of a store's client library (redis, etcd: named as their pip extra),
+    which runs on asyncio only: InvalidArgument under another event loop, or when ``package``
+    is not installed."""
+    if sniffio.current_async_library() != "asyncio":
+        raise InvalidArgument(f"{what}: the {extra} store runs on asyncio only (use a tcp:// store under trio)")
+    try:
+        yield
+    except ImportError as exc:
+        raise InvalidArgument(f"{what}: needs {package} (pip install 'aiohixl[{extra}]'): {exc}") from None
 
 
 def summary(records: dict[int, RankRecord], limit: int = 16) -> str:
@@ -73,6 +88,10 @@ class Store:
         self._publish_error: HixlError | None = None
         self._barrier_gen: dict[str, int] = {}
         self._watched: set[int] = set()
+        # join(members_at=n): the mirror need not list the other ranks before the store holds n
+        # (init(world_size=n) waits for that anyway): a store may then skip telling this rank of
+        # each join in the storm of n joins (the tcp store does), so it is not n x n messages
+        self.members_at = 0
 
     @property
     def label(self) -> str:
@@ -110,6 +129,16 @@ class Store:
     async def sync(self) -> None:
         """Bring the mirror up to date now (the tcp store's always is)."""
 
+    def _complete(self) -> bool:
+        """Whether the mirror lists every rank (not, over tcp, before the count of ``members_at``)."""
+        return True
+
+    async def _until_count(self, n: int, what: str) -> None:
+        """Return once the store may hold ``n`` ranks: a cheap wait before the mirror's (Redis: a count)."""
+
+    async def _whole_mirror(self) -> None:
+        """Fill the mirror now, however many ranks joined (for a timeout's message)."""
+
     # ---- the mirror ----
 
     def _changed_now(self) -> None:
@@ -146,8 +175,12 @@ class Store:
 
     # ---- joining and publishing ----
 
-    async def join(self, record: RankRecord, timeout: float) -> None:
-        """Claim ``record.rank``; RankConflict when a live process keeps it past ``conflict_grace``."""
+    async def join(self, record: RankRecord, timeout: float, members_at: int = 0) -> None:
+        """Claim ``record.rank``; RankConflict when a live process keeps it past ``conflict_grace``.
+
+        ``members_at``: the caller waits for that many ranks next (``wait_ranks``), so the mirror
+        need not follow the joins before."""
+        self.members_at = members_at
         deadline = anyio.current_time() + min(timeout, self.conflict_grace)
         pause = 0.05
         while True:
@@ -234,13 +267,18 @@ class Store:
 
     async def wait_ranks(self, n: int, group: str | None, timeout: float | None, what: str) -> list[int]:
         def enough() -> list[int] | None:
-            if len(self.records) < n:  # at hundreds of ranks this is checked at every join: no sorting
+            if len(self.records) < n or not self._complete():  # checked at every change: no sorting
                 return None
             ranks = self.ranks(group)
             return ranks if len(ranks) >= n else None
 
-        got = await self.wait_for(what, enough, timeout)
+        deadline = math.inf if timeout is None else anyio.current_time() + timeout
+        with anyio.move_on_after(deadline - anyio.current_time()):
+            await self._until_count(n, what)
+        got = await self.wait_for(what, enough, max(0.0, deadline - anyio.current_time()))
         if got is None:
+            self.check(what)
+            await self._whole_mirror()
             among = "" if group is None else f" of group {group!r}"
             raise RendezvousTimeout(
                 f"{what}: {len(self.ranks(group))} of {n} ranks{among} joined {self.label} within {_secs(timeout)};"
@@ -284,7 +322,11 @@ class Store:
 
 def barrier_complete(records: dict[int, RankRecord], group: str, expected: int, arrived: set[int]) -> bool:
     """Whether every rank a barrier covers (the group's, or all when ``group`` is "") has entered it."""
-    members = {r for r, rec in records.items() if not group or rec.group == group}
+    if len(arrived) < expected:
+        return False
+    if not group:  # counts first: this is checked at every arrival, and at hundreds of ranks
+        return len(arrived) >= len(records) >= expected and records.keys() <= arrived
+    members = {r for r, rec in records.items() if rec.group == group}
     return len(members) >= expected and members <= arrived
 
 

@@ -54,6 +54,11 @@ class _Client:
     space: _Space | None = None
     rank: int | None = None
     watching: set[int] = field(default_factory=set)
+    # STORE_MEMBERS: hear of every join and leave once the namespace holds this many ranks (a
+    # client that never says: at once). init(world_size=N) waits for N, so a join storm of N
+    # ranks is not N x N frames and wake-ups: each rank gets the N records once, in one write.
+    members_at: int = 0
+    member: bool = False
     # Frames wait here for the writer, which sends all that piled up in one write: at hundreds of
     # ranks a join is a frame to every client, and a queue operation and a syscall per frame was
     # where the time went.
@@ -81,13 +86,34 @@ class _Space:
     # (key, gen) -> group ("" all), ranks expected at least, who entered
     barriers: dict[tuple[str, int], tuple[str, int, dict[int, _Client]]] = field(default_factory=dict)
     clients: set[_Client] = field(default_factory=set)
+    # n -> the clients waiting (STORE_MEMBERS n) for the namespace to hold n ranks
+    pending: dict[int, list[_Client]] = field(default_factory=dict)
     # rank -> the clients that asked for its changes (STORE_WATCH): a publish goes only to them
     watchers: dict[int, set[_Client]] = field(default_factory=dict)
 
-    def broadcast(self, frame: bytes, skip: _Client | None = None) -> None:
+    def broadcast(self, frame: bytes, skip: _Client | None = None, also: set[_Client] | None = None) -> None:
+        """``frame`` to every member (the clients that hear of joins and leaves), and to ``also``."""
         for client in list(self.clients):
-            if client is not skip:
+            if client is not skip and (client.member or (also is not None and client in also)):
                 client.push(frame)
+
+    def admit(self, clients: list[_Client]) -> None:
+        """Make ``clients`` members: every record now (encoded once for all), then STORE_MEMBERS."""
+        if not clients:
+            return
+        frames = [w.Writer().blob(rec.encode()).frame(w.STORE_RECORD) for rec, _ in self.records.values()]
+        frames.append(w.Writer().u32(len(self.records)).frame(w.STORE_MEMBERS))
+        snapshot = b"".join(frames)
+        for client in clients:
+            if not client.member and not client.closed:
+                client.member = True
+                client.push(snapshot)
+
+    def admit_waiting(self) -> None:
+        """Admit the clients whose count the namespace reached."""
+        count = len(self.records)
+        ready = [n for n in self.pending if n <= count]
+        self.admit([client for n in ready for client in self.pending.pop(n)])
 
     def check_barriers(self) -> None:
         records = {r: rec for r, (rec, _) in self.records.items()}
@@ -205,6 +231,10 @@ class StoreServer:
                 key, gen, group, expected = r.str(), r.u32(), r.str(), r.u32()
                 r.end()
                 self._arrive(client, key, gen, group, expected)
+            elif ftype == w.STORE_MEMBERS:
+                n = r.u32()
+                r.end()
+                self._members(client, n)
             else:
                 raise ProtocolError(f"unexpected {w.NAMES[ftype]} frame on a store connection")
 
@@ -221,12 +251,16 @@ class StoreServer:
             reply(REPLY_CONFLICT, held[0].encode())
             return
         client.space, client.rank = space, record.rank
+        frame = w.Writer().blob(record.encode()).frame(w.STORE_RECORD)
+        space.broadcast(frame, also=space.watchers.get(record.rank))  # to the members so far
         space.records[record.rank] = (record, client)
         space.clients.add(client)
-        for other, _ in space.records.values():  # the joiner's mirror, before it hears "ok"
-            client.push(w.Writer().blob(other.encode()).frame(w.STORE_RECORD))
+        if client.members_at <= len(space.records):  # the joiner's mirror, before it hears "ok"
+            space.admit([client])
+        else:
+            space.pending.setdefault(client.members_at, []).append(client)
         reply(REPLY_OK, b"")
-        space.broadcast(w.Writer().blob(record.encode()).frame(w.STORE_RECORD), skip=client)
+        space.admit_waiting()
         space.check_barriers()
 
     def _publish(self, client: _Client, record: RankRecord) -> None:
@@ -252,6 +286,22 @@ class StoreServer:
         if held is not None:  # the record as it is now; its changes follow
             client.push(w.Writer().blob(held[0].encode()).frame(w.STORE_RECORD))
 
+    def _members(self, client: _Client, n: int) -> None:
+        space = client.space
+        if space is None:  # before the join: the join admits it (or not yet)
+            client.members_at = n
+            return
+        if client.member:
+            return
+        for waiting in space.pending.values():
+            if client in waiting:
+                waiting.remove(client)
+        space.pending = {k: v for k, v in space.pending.items() if v}
+        if n <= len(space.records):
+            space.admit([client])
+        else:
+            space.pending.setdefault(n, []).append(client)
+
     def _arrive(self, client: _Client, key: str, gen: int, group: str, expected: int) -> None:
         space = client.space
         if space is None or client.rank is None:
@@ -266,6 +316,11 @@ class StoreServer:
         if space is None or rank is None:
             return
         space.clients.discard(client)
+        for n, waiting in list(space.pending.items()):
+            if client in waiting:
+                waiting.remove(client)
+                if not waiting:
+                    del space.pending[n]
         for watched in client.watching:
             watchers = space.watchers.get(watched)
             if watchers is not None:
@@ -275,7 +330,8 @@ class StoreServer:
         held = space.records.get(rank)
         if held is not None and held[1] is client:
             del space.records[rank]
-            space.broadcast(w.Writer().u32(rank).raw(held[0].agent_id).frame(w.STORE_GONE))
+            gone = w.Writer().u32(rank).raw(held[0].agent_id).frame(w.STORE_GONE)
+            space.broadcast(gone, also=space.watchers.get(rank))
         for _, _, arrived in space.barriers.values():
             if arrived.get(rank) is client:
                 del arrived[rank]
@@ -297,6 +353,8 @@ class TcpStore(Store):
         self._next_req = 1
         self._replies: dict[int, list[Any]] = {}
         self._released: set[tuple[str, int]] = set()
+        self._member = False  # STORE_MEMBERS came: the mirror holds every rank, joins and leaves follow
+        self._asked_members = False
         self._backend.spawn(self._read, f"aiohixl-store-client-{url}")
 
     @classmethod
@@ -397,6 +455,10 @@ class TcpStore(Store):
                 raise ProtocolError(f"reply to request {req} that was never made")
             slot[1] = (status, blob)
             slot[0].set()
+        elif ftype == w.STORE_MEMBERS:
+            r.u32()
+            r.end()
+            self._member = True
         elif ftype == w.PING:
             r.end()
         else:
@@ -408,6 +470,9 @@ class TcpStore(Store):
         self._next_req += 1
         slot: list[Any] = [anyio.Event(), None]
         self._replies[req] = slot
+        if self.members_at > 1 and not self._asked_members:  # the join storm: the mirror once all joined
+            self._asked_members = True
+            await self._send(w.Writer().u32(self.members_at).frame(w.STORE_MEMBERS))
         await self._send(w.Writer().u32(req).str(self.namespace).blob(record.encode()).frame(w.STORE_JOIN))
         await slot[0].wait()
         if slot[1] is None:
@@ -422,6 +487,18 @@ class TcpStore(Store):
 
     async def _put_record(self, record: RankRecord) -> None:
         await self._send(w.Writer().blob(record.encode()).frame(w.STORE_PUBLISH))
+
+    def _complete(self) -> bool:
+        return self._member
+
+    async def _whole_mirror(self) -> None:
+        if not self._member:
+            try:
+                await self._send(w.Writer().u32(0).frame(w.STORE_MEMBERS))
+            except HixlError:
+                return
+            with anyio.move_on_after(2.0):
+                await self.wait_for("store", lambda: True if self._member else None, math.inf)
 
     async def _watch(self, rank: int) -> None:
         await self._send(w.Writer().u32(rank).frame(w.STORE_WATCH))
