@@ -419,10 +419,7 @@ class EtcdStore(Store):
             )
             while True:
                 if self._complete_at(bk, group, expected, replies[-2], replies[-1]):
-                    done = [tx.put(self._done_key(key, gen), b"", lease=self.lease)]
-                    if gen > 1:
-                        done.append(tx.delete(self._done_key(key, gen - 1)))
-                    await self._call(f"barrier {key}", self.client.transaction, compare=[], success=done, failure=[])
+                    await self._release_all(key, gen)
                     return
                 if bk in self._released:
                     return
@@ -442,6 +439,22 @@ class EtcdStore(Store):
             self._waiting.pop(bk, None)
             self._released.discard(bk)
             self._arrived.pop(bk, None)
+
+    async def _release_all(self, key: str, gen: int) -> None:
+        """Write ``done/K/G``: the other ranks wait for nothing else, so a failed call (an etcd
+        restarting, a leader election) is tried again until it lands or the store counts as
+        lost (no answer for a lease: ``check`` raises). It is idempotent."""
+        tx = self.client.transactions
+        done = [tx.put(self._done_key(key, gen), b"", lease=self.lease)]
+        if gen > 1:
+            done.append(tx.delete(self._done_key(key, gen - 1)))
+        while True:
+            try:
+                await self._call(f"barrier {key}", self.client.transaction, compare=[], success=done, failure=[])
+                return
+            except StoreLost:
+                self.check(f"barrier {key}")
+                await anyio.sleep(0.1)  # a backoff between calls, not a wait for a state
 
     def _complete_at(self, bk: tuple[str, int], group: str, expected: int, arrivals: Any, ranks: Any) -> bool:
         """Whether the barrier is complete by one revision's arrivals and ranks (read together)."""
