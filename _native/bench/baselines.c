@@ -265,9 +265,15 @@ static void *copy_worker(void *p)
 static double copy_batch(copier *c, uint64_t iters)
 {
     c->iters = iters;
+    /* The clock starts before the other threads are let go, as a put's does
+     * before it wakes the pool. Read after the barrier, it started late
+     * whenever this thread was not the first back on a CPU: with 3 threads on
+     * 2 vCPUs the other two had copied their shares by then, and a batch of
+     * one or two 64 MiB copies timed one share's time for the whole copy (up
+     * to 3x the rate; docs/benchmarks.md, "Rows 4, 5: the x3 limits' clock"). */
+    double t0 = now();
     if (c->pieces > 1)
         pthread_barrier_wait(&c->go);
-    double t0 = now();
     for (uint64_t i = 0; i < iters; i++) {
         copy_piece(c, 0);
         if (c->pieces > 1)
