@@ -101,6 +101,9 @@ int hx_test_complete_on_thread(hx_agent *a, uint64_t op_id, int status, int err)
  * queue holds senders back: default 4096). */
 int hx_agent_drain_notes(hx_agent *a, hx_note *out, int max);
 int hx_agent_notes_pending(hx_agent *a);
+/* Whether a drain_notes may find any (no system call): 0 only when nothing is
+ * queued natively and no transport holds any. */
+int hx_agent_notes_ready(hx_agent *a);
 uint64_t hx_agent_notes_dropped(hx_agent *a);
 void hx_agent_set_notes(hx_agent *a, uint32_t capacity);
 /* tcp: every interval_ns each connection is pinged by its native side; one

@@ -120,6 +120,9 @@ typedef struct hx_transport {
      * rings): moved into it (hx_note_enqueue) as far as it has room, every
      * sender's (all) or only source's; returns how many it still holds. */
     uint32_t (*move_notes)(hx_agent *a, bool all, uint64_t source);
+    /* Whether it may hold such notifications now: no system call, no false
+     * "no" for what the loop's wake fd does not announce. */
+    bool (*notes_held)(hx_agent *a);
     /* The remote end of the channel peer_id (0: none), or of session's
      * connections (target side; 0: none), was proved alive at now_ns by
      * another transport (hx_heard): it counts as heard, as a byte read does
@@ -154,6 +157,10 @@ struct hx_agent {
     hx_completion *ring;
     uint32_t ring_cap, ring_head, ring_count;
     bool signaled;
+    /* Writes owed to wake_fd (each counted under ring_lock before it is made)
+     * and the sum of the values read from it: the fd can be readable only while
+     * they differ, so a drain that finds them equal skips the read. */
+    atomic_uint_fast64_t wake_armed, wake_read;
     int wake_fd; /* the eventfd native threads write */
     int poll_fd; /* what the event loop watches: an epoll set of wake_fd and shm's doorbells */
 

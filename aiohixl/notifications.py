@@ -29,6 +29,7 @@ MAX_NOTIFICATION = int(lib.HX_NOTE_MAX)
 _BATCH = 64
 _IMM = int(lib.HX_NOTE_IMM)
 _drain_notes = lib.hx_agent_drain_notes  # one lookup, not one per pull
+_notes_ready = lib.hx_agent_notes_ready
 _get_ident = threading.get_ident  # asyncio.get_running_loop() makes a getpid() system call (3.11)
 
 
@@ -168,7 +169,12 @@ class Inbox:
         if backend is None:
             backend = engine.attach(what)  # the loop that started the agent, or WrongEventLoop
             loop = engine.loop  # set by the first attach (asyncio), else None
-        self.pull()
+        # Take what arrived natively, if anything did (a check with no system call): else the
+        # wake fd announces it and the loop's drain serves this waiter. Short of room, the fd
+        # may not: what waits natively is taken here.
+        native = engine.native
+        if native is not None and (self._short or _notes_ready(native)):
+            self.pull()
         note = self._take(match)
         if note is not None:
             if self._short:

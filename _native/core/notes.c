@@ -142,6 +142,17 @@ int hx_agent_notes_pending(hx_agent *a)
     return n;
 }
 
+int hx_agent_notes_ready(hx_agent *a)
+{
+    pthread_mutex_lock(&a->note_lock);
+    bool ready = a->note_head != NULL;
+    pthread_mutex_unlock(&a->note_lock);
+    for (int t = 0; t < HX_NTRANSPORTS && !ready; t++)
+        if (hx_transports[t]->notes_held)
+            ready = hx_transports[t]->notes_held(a);
+    return ready;
+}
+
 uint64_t hx_agent_notes_dropped(hx_agent *a)
 {
     pthread_mutex_lock(&a->note_lock);

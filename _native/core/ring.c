@@ -4,6 +4,16 @@
 #include <errno.h>
 #include <unistd.h>
 
+/* Under ring_lock: a write to wake_fd is owed (it is made after the unlock). */
+static bool arm(hx_agent *a)
+{
+    if (a->signaled)
+        return false;
+    a->signaled = true;
+    atomic_fetch_add(&a->wake_armed, 1);
+    return true;
+}
+
 static void wake_unlocked(hx_agent *a, bool wake)
 {
     if (wake) {
@@ -17,8 +27,7 @@ static void wake_unlocked(hx_agent *a, bool wake)
 void hx_wake(hx_agent *a)
 {
     pthread_mutex_lock(&a->ring_lock);
-    bool wake = !a->signaled;
-    a->signaled = true;
+    bool wake = arm(a);
     pthread_mutex_unlock(&a->ring_lock);
     wake_unlocked(a, wake);
 }
@@ -34,18 +43,26 @@ void hx_complete(hx_agent *a, uint64_t op_id, int status)
     uint32_t tail = (a->ring_head + a->ring_count) % a->ring_cap;
     a->ring[tail] = (hx_completion){.op_id = op_id, .status = status, .sys_errno = err};
     a->ring_count++;
-    bool wake = !a->signaled;
-    a->signaled = true;
+    bool wake = arm(a);
     pthread_mutex_unlock(&a->ring_lock);
     wake_unlocked(a, wake);
 }
 
 int hx_agent_drain(hx_agent *a, hx_completion *out, int max)
 {
-    uint64_t v;
-    /* Clear the fd before taking: a push after this point re-arms it. */
-    ssize_t n = read(a->wake_fd, &v, sizeof v);
-    (void)n;
+    /* Clear the fd before taking: a push after this point re-arms it. Only
+     * if a write is owed: every write to wake_fd is counted in wake_armed
+     * before it is made, and every value read from it is added to wake_read,
+     * so a readable fd means armed > read here (the write we would find was
+     * counted before it was made). Equal: nothing to read (the read would
+     * fail with EAGAIN; shm's doorbells woke the loop). A write counted but
+     * not yet made when we look leaves the fd readable afterwards: the loop
+     * drains again and then reads it. */
+    if (atomic_load(&a->wake_armed) != atomic_load_explicit(&a->wake_read, memory_order_relaxed)) {
+        uint64_t v;
+        if (read(a->wake_fd, &v, sizeof v) == (ssize_t)sizeof v)
+            atomic_fetch_add(&a->wake_read, v);
+    }
     pthread_mutex_lock(&a->ring_lock);
     int taken = 0;
     while (taken < max && a->ring_count) {
@@ -56,9 +73,12 @@ int hx_agent_drain(hx_agent *a, hx_completion *out, int max)
     if (a->ring_count == 0)
         a->signaled = false;
     else {
-        /* More than max were waiting: keep the fd readable. */
+        /* More than max were waiting: keep the fd readable (signaled stays
+         * set: this write is owed as a writer's is). */
+        atomic_fetch_add(&a->wake_armed, 1);
         uint64_t one = 1;
-        n = write(a->wake_fd, &one, sizeof one);
+        ssize_t n = write(a->wake_fd, &one, sizeof one);
+        (void)n;
     }
     pthread_cond_broadcast(&a->ring_space);
     pthread_mutex_unlock(&a->ring_lock);

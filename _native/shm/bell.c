@@ -162,32 +162,41 @@ static uint32_t take(hx_agent *a, hx_bell *b, bool force)
     return 0;
 }
 
-/* Reads the wake-ups of the bells that were rung (level-triggered: else the
- * loop would wake again at once); only those, in one call. Each ring is a
- * one-byte datagram: one recvmmsg takes up to a batch of them, so a bell rung
- * once costs one call, not a read and then a read that finds nothing. A ring
- * that lands after it leaves the fd readable, and the loop drains again. */
-static void clear_rung(hx_agent *a)
+/* Reads every wake-up queued on a bell's socket. Each ring is a one-byte
+ * datagram: one recvmmsg takes up to a batch of them, so a bell rung once
+ * costs one call, not a read and then a read that finds nothing. */
+static void clear_bell(hx_bell *b)
 {
     enum { BATCH = 16 };
+    char buf[BATCH];
+    struct iovec iov[BATCH];
+    struct mmsghdr msgs[BATCH];
+    memset(msgs, 0, sizeof msgs);
+    for (int j = 0; j < BATCH; j++) {
+        iov[j] = (struct iovec){.iov_base = &buf[j], .iov_len = 1};
+        msgs[j].msg_hdr.msg_iov = &iov[j];
+        msgs[j].msg_hdr.msg_iovlen = 1;
+    }
+    while (recvmmsg(b->fd, msgs, BATCH, MSG_DONTWAIT, NULL) == BATCH)
+        ;
+}
+
+/* Reads the wake-ups of the bells that were rung (level-triggered: else the
+ * loop would wake again at once); only those. One bell: its socket is read
+ * at once (one call, where asking the wake set which were rung and then
+ * reading it is two). A ring that lands after it leaves the fd readable, and
+ * the loop drains again. Under st->lock. */
+static void clear_rung(hx_agent *a, bell_state *st)
+{
+    if (st->list && !st->list->next) {
+        clear_bell(st->list);
+        return;
+    }
     struct epoll_event ev[64];
     int n = epoll_wait(a->poll_fd, ev, 64, 0);
-    for (int i = 0; i < n; i++) {
-        hx_bell *b = ev[i].data.ptr;
-        if (!b)
-            continue;
-        char buf[BATCH];
-        struct iovec iov[BATCH];
-        struct mmsghdr msgs[BATCH];
-        memset(msgs, 0, sizeof msgs);
-        for (int j = 0; j < BATCH; j++) {
-            iov[j] = (struct iovec){.iov_base = &buf[j], .iov_len = 1};
-            msgs[j].msg_hdr.msg_iov = &iov[j];
-            msgs[j].msg_hdr.msg_iovlen = 1;
-        }
-        while (recvmmsg(b->fd, msgs, BATCH, MSG_DONTWAIT, NULL) == BATCH)
-            ;
-    }
+    for (int i = 0; i < n; i++)
+        if (ev[i].data.ptr)
+            clear_bell(ev[i].data.ptr);
 }
 
 uint32_t bell_move(hx_agent *a, bool all, uint64_t source)
@@ -198,10 +207,23 @@ uint32_t bell_move(hx_agent *a, bool all, uint64_t source)
     uint32_t held = 0;
     pthread_mutex_lock(&st->lock);
     if (all)
-        clear_rung(a);
+        clear_rung(a, st);
     for (hx_bell *b = st->list; b; b = b->next)
         if (all || b->source == source)
             held += take(a, b, false);
+    pthread_mutex_unlock(&st->lock);
+    return held;
+}
+
+bool bell_held(hx_agent *a)
+{
+    bell_state *st = S(a);
+    if (!st || !atomic_load_explicit(&st->count, memory_order_relaxed))
+        return false;
+    bool held = false;
+    pthread_mutex_lock(&st->lock);
+    for (hx_bell *b = st->list; b && !held; b = b->next)
+        held = !b->broken && atomic_load_explicit(&b->h->tail, memory_order_acquire) != b->head;
     pthread_mutex_unlock(&st->lock);
     return held;
 }

@@ -55,4 +55,6 @@ int bell_init(hx_agent *a);
 void bell_shutdown(hx_agent *a);
 void bell_free(hx_agent *a);
 uint32_t bell_move(hx_agent *a, bool all, uint64_t source);
+/* Whether a ring holds records not yet moved (no system call). */
+bool bell_held(hx_agent *a);
 #endif

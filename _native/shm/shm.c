@@ -74,8 +74,12 @@ static const hx_peer_ops shm_ops = {.post = shm_post,
 
 /* Per agent: the doorbells it serves (bell.c). Each peer holds its mappings;
  * copies run on the pool. */
-const hx_transport hx_shm_transport = {
-    .name = "shm", .init = bell_init, .shutdown = bell_shutdown, .free = bell_free, .move_notes = bell_move};
+const hx_transport hx_shm_transport = {.name = "shm",
+                                       .init = bell_init,
+                                       .shutdown = bell_shutdown,
+                                       .free = bell_free,
+                                       .move_notes = bell_move,
+                                       .notes_held = bell_held};
 
 hx_peer *hx_shm_new(hx_agent *a, int pid, int *status)
 {
