@@ -61,8 +61,15 @@ static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count, bo
          * updates what it watches). Only one thread posts on a peer at a time. */
         c->polling = done_at != NULL || poll;
         c->poll_owed = 0;
-        if (c->polling)
-            tcp_update_interest(a, c); /* before the send: its answer must wake nobody */
+        if (c->polling) {
+            /* Before the send: its answer must wake nobody. Nor must what this
+             * thread is about to send itself (EPOLLOUT would wake the I/O
+             * thread only to wait for this lock); what the send leaves, the
+             * flush hands to the I/O thread. */
+            c->tx_self = true;
+            tcp_update_interest(a, c);
+            c->tx_self = false;
+        }
         if (tcp_flush_budget(a, c, HX_INLINE_SEND) < 0) {
             /* The I/O thread fails this op with the rest. */
             atomic_store(&c->fail_req, HX_E_CONNLOST);

@@ -123,6 +123,7 @@ struct conn {
     uint64_t poll_owed;
     uint8_t poll_skip; /* bursts before hx_peer_flush polls for answers again (under lock) */
     bool tx_io;        /* the I/O thread is in a sendmsg without the lock (tcp_flush_io) */
+    bool tx_self;      /* the posting thread sends what it just queued: no EPOLLOUT for it yet */
     uint32_t events;
     bool broken;
     atomic_int fail_req; /* a failure another thread asked for */
