@@ -158,6 +158,7 @@ struct conn {
     bool reading;            /* target: answers queued while reading go out together (tcp_conn_read) */
     uint64_t rx_since_flush; /* target: bytes received since queued answers last went out */
     bool rx_short;           /* the last receive took less than it offered: the socket was drained */
+    bool rx_fresh;           /* a receive happened in this tcp_conn_read (rx_short is its) */
     bool rmore;              /* target: the last request said more frames follow it (REQ_MORE) */
     bool tx_held;            /* target: queued answers wait for those frames (no EPOLLOUT meanwhile) */
     uint32_t note_len;
