@@ -430,6 +430,26 @@ async def test_heartbeat_detects_a_silent_peer():
         await target.aclose()
 
 
+async def test_reading_a_poll_kept_goes_back_to_the_io_thread():
+    """An awaited lone put's poll that read every answer keeps the reading (the next lone
+    op needs no epoll_ctl); once no op comes, the hold timer hands it back to the I/O
+    thread, which reads the target's heartbeats: the idle connection is not judged silent."""
+    target = await Target.start(heartbeat=0.2)
+    try:
+        await target.alloc("kv", 4096)
+        async with aiohixl.Agent(token=TOKEN, transports=TCP, heartbeat_interval=0.2, heartbeat_timeout=0.6) as agent:
+            peer = await agent.connect(target.address)
+            kv = await peer.region("kv")
+            src = agent.register(bytearray(4096))
+            for _ in range(200):
+                await peer.put(kv, src)
+            await asyncio.sleep(1.5)  # idle, over twice the heartbeat timeout
+            assert peer.broken is None
+            await peer.put(kv, src)
+    finally:
+        await target.aclose()
+
+
 async def _stopped(pid: int) -> None:
     def stopped() -> bool:
         with open(f"/proc/{pid}/stat") as f:

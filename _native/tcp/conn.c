@@ -19,7 +19,7 @@ void tcp_update_interest(hx_agent *a, conn *c)
     uint32_t want = EPOLLRDHUP;
     if ((!c->target || c->outq < OUTQ_HIGH) && !c->note_held && !c->polling)
         want |= EPOLLIN;
-    if (c->unsent && !c->tx_held)
+    if (c->unsent && !c->tx_held && !c->tx_self)
         want |= EPOLLOUT;
     if (want != c->events) {
         struct epoll_event ev = {.events = want, .data.ptr = c};

@@ -61,8 +61,15 @@ static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count, bo
          * updates what it watches). Only one thread posts on a peer at a time. */
         c->polling = done_at != NULL || poll;
         c->poll_owed = 0;
-        if (c->polling)
-            tcp_update_interest(a, c); /* before the send: its answer must wake nobody */
+        if (c->polling) {
+            /* Before the send: its answer must wake nobody. Nor must what this
+             * thread is about to send itself (EPOLLOUT would wake the I/O
+             * thread only to wait for this lock); what the send leaves, the
+             * flush hands to the I/O thread. */
+            c->tx_self = true;
+            tcp_update_interest(a, c);
+            c->tx_self = false;
+        }
         if (tcp_flush_budget(a, c, HX_INLINE_SEND) < 0) {
             /* The I/O thread fails this op with the rest. */
             atomic_store(&c->fail_req, HX_E_CONNLOST);
@@ -87,7 +94,7 @@ static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count, bo
  * I/O thread and the event loop's wake-up. Any answer that arrives meanwhile
  * is handled as the I/O thread would. HX_DONE_INLINE when the op succeeded
  * here (no completion follows), else HX_POSTED: the ring has it, or will. */
-static int poll_answer(hx_agent *a, conn *c, uint64_t op_id, uint64_t done_at, uint64_t busy_ns)
+static int poll_answer(hx_agent *a, conn *c, uint64_t op_id, uint64_t done_at, uint64_t busy_ns, bool keep)
 {
     uint64_t deadline = tcp_now_ns() + busy_ns;
     int fail = 0;
@@ -109,8 +116,18 @@ static int poll_answer(hx_agent *a, conn *c, uint64_t op_id, uint64_t done_at, u
     }
     pthread_mutex_unlock(&c->rx_lock);
     pthread_mutex_lock(&c->lock);
-    c->polling = false;
-    tcp_update_interest(a, c); /* the I/O thread reads again: what comes later is its */
+    if (keep && !fail && !c->broken && c->answered == c->queued) {
+        /* All answered (hx_peer_flush): reading stays the poster's, as if an
+         * op had gone out HX_POSTED_POLL now, so the next lone op needs no
+         * epoll_ctl either way (two per op otherwise). The next op that is
+         * not polled gives reading back; the hold timer does within
+         * HOLD_MAX_NS if none comes. */
+        c->poll_owed = tcp_now_ns();
+        tcp_hold_arm(T(a)->io);
+    } else {
+        c->polling = false;
+        tcp_update_interest(a, c); /* the I/O thread reads again: what comes later is its */
+    }
     pthread_mutex_unlock(&c->lock);
     tcp_inline_op = 0;
     if (fail) {
@@ -239,9 +256,10 @@ static void tcp_flush(hx_peer *p)
     uint64_t done_at = 0;
     bool held = c->unsent != NULL, lone = !held && c->answered < c->queued;
     c->poll_owed = 0; /* this thread reads now, or hands reading back below */
-    if (held && c->poll_skip)
-        c->poll_skip--; /* the last poll missed: answers take longer than that here */
-    else
+    if (held && c->poll_skip) {
+        c->poll_skip--;     /* the last poll missed: answers take longer than that here */
+        c->polling = false; /* reading kept from an earlier poll goes back with the flush */
+    } else
         c->polling = (held || lone) && !T(a)->busy_ns; /* the flush below stops the I/O thread reading */
     if (!c->broken && tcp_flush_budget(a, c, HX_INLINE_SEND) < 0) {
         atomic_store(&c->fail_req, HX_E_CONNLOST);
@@ -256,7 +274,7 @@ static void tcp_flush(hx_peer *p)
     pthread_mutex_unlock(&c->lock);
     if (!done_at)
         return;
-    poll_answer(a, c, 0, done_at, lone ? LONE_POLL_NS : FLUSH_POLL_NS);
+    poll_answer(a, c, 0, done_at, lone ? LONE_POLL_NS : FLUSH_POLL_NS, true);
     /* A peer whose answers take longer (another host) is not polled for
      * again until POLL_SKIP bursts later: the wait would only cost the loop. */
     pthread_mutex_lock(&c->lock);
@@ -353,7 +371,7 @@ static int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, 
         if (rc == HX_POSTED_HELD || rc == HX_POSTED_POLL)
             return rc;
         if (rc == HX_POSTED)
-            return done_at ? poll_answer(a, c, op_id, done_at, busy_ns) : HX_POSTED;
+            return done_at ? poll_answer(a, c, op_id, done_at, busy_ns, false) : HX_POSTED;
     }
     op_discard(op, first);
     return rc;

@@ -127,6 +127,7 @@ static ssize_t receive(conn *c)
         }
         c->last_rx_ns = tcp_now_ns();
         c->rx_short = (uint64_t)r < offered;
+        c->rx_fresh = true;
         uint64_t placed = direct ? ((uint64_t)r < want ? (uint64_t)r : want) : 0;
         c->rdone += placed;
         c->rpos = 0;
@@ -159,6 +160,11 @@ static int refill(hx_agent *a, conn *c)
             return rc;
         c->rx_since_flush = 0;
     }
+    /* That receive drained the socket: another would only return EAGAIN (a
+     * system call per request). epoll is level-triggered: what comes later
+     * is reported. */
+    if (c->rx_fresh && c->rx_short)
+        return READ_DRAINED;
     ssize_t r = receive(c);
     if (r <= 0)
         return r == 0 ? READ_DRAINED : (int)r;
@@ -212,6 +218,7 @@ static int conn_read(hx_agent *a, conn *c)
 int tcp_conn_read(hx_agent *a, conn *c)
 {
     c->reading = c->target;
+    c->rx_fresh = false;
     int rc = conn_read(a, c);
     c->reading = false;
     /* Drained while more frames are announced: the answers wait for them

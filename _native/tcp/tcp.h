@@ -123,6 +123,7 @@ struct conn {
     uint64_t poll_owed;
     uint8_t poll_skip; /* bursts before hx_peer_flush polls for answers again (under lock) */
     bool tx_io;        /* the I/O thread is in a sendmsg without the lock (tcp_flush_io) */
+    bool tx_self;      /* the posting thread sends what it just queued: no EPOLLOUT for it yet */
     uint32_t events;
     bool broken;
     atomic_int fail_req; /* a failure another thread asked for */
@@ -157,6 +158,7 @@ struct conn {
     bool reading;            /* target: answers queued while reading go out together (tcp_conn_read) */
     uint64_t rx_since_flush; /* target: bytes received since queued answers last went out */
     bool rx_short;           /* the last receive took less than it offered: the socket was drained */
+    bool rx_fresh;           /* a receive happened in this tcp_conn_read (rx_short is its) */
     bool rmore;              /* target: the last request said more frames follow it (REQ_MORE) */
     bool tx_held;            /* target: queued answers wait for those frames (no EPOLLOUT meanwhile) */
     uint32_t note_len;
