@@ -165,6 +165,9 @@ async def test_a_killed_rank_leaves_the_store_and_its_restart_is_reached(store):
             await worker.aclose()
         worker = await Worker.start(store, "5:decode")  # restarted: a new agent, a new address
         try:
+            # Our view of the store learns of the new rank 5 on its own schedule (etcd: the watch
+            # event; Redis: the lease task's read): until then rank 5 has "left the store" for us.
+            await wait_until(lambda: 5 in ctx.ranks(), timeout=30, what="rank 5 back in our view of the store")
             with pytest.raises(aiohixl.ConnectionLost, match="rank 5 restarted"):
                 await ctx.put(remote, src)  # the old region is gone with the old process
             remote = await ctx.get_remote_mem(5, SLOT, timeout=60)
