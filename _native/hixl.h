@@ -137,7 +137,9 @@ int hx_peer_post1(hx_peer *p, int opcode, uint64_t op_id, uint32_t local_region,
                   uint32_t remote_region, uint64_t remote_off, uint64_t len, uint64_t remote_key);
 /* Sends the ops hx_peer_post held (HX_POSTED_HELD). After one that came back
  * HX_POSTED_POLL, with nothing held, it reads that op's answer for a while
- * (tcp; into the completion ring): call it just before the thread would block. */
+ * (tcp; into the completion ring): call it just before the thread would block.
+ * The caller drains the ring (hx_agent_drain) once it returns: what it
+ * completed on this thread is not signalled on the wake fd. */
 void hx_peer_flush(hx_peer *p);
 /* Fails the peer's queued ops with HX_E_CLOSED; ops already copying finish. */
 void hx_peer_close(hx_peer *p);

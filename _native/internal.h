@@ -211,6 +211,9 @@ void hx_region_release(hx_region *r);
 void hx_complete(hx_agent *a, uint64_t op_id, int status);
 /* Makes the wake fd readable (once per batch). */
 void hx_wake(hx_agent *a);
+/* Completions of agent a on this thread from now on wake nobody (NULL: they
+ * do again): hx_peer_flush's caller drains the ring once it returns. */
+void hx_hush(hx_agent *a);
 
 /* core/notes.c. push: HX_E_BUSY when the queue is full; the caller holds the
  * sender back until note_space. dropped: counts a message that arrived and

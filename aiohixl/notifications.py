@@ -99,10 +99,13 @@ class Inbox:
     def dropped(self) -> int:
         return int(lib.hx_agent_notes_dropped(self.engine.native)) if self.engine.native is not None else 0
 
-    def pull(self) -> None:
-        """Move what arrived natively into the queue (as far as it has room), then serve waiters."""
+    def pull(self, woken: bool = True) -> None:
+        """Move what arrived natively into the queue (as far as it has room), then serve waiters.
+
+        Not ``woken`` (a drain of what a flush read, not of the wake fd): only if something
+        may wait natively, a check with no system call."""
         native = self.engine.native
-        if native is None:
+        if native is None or not (woken or self._short or _notes_ready(native)):
             return
         moved = 0
         queue, buf, senders = self._queue, self._buf, self.senders

@@ -85,8 +85,11 @@ int hx_peer_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, 
 
 void hx_peer_flush(hx_peer *p)
 {
-    if (p->ops->flush)
-        p->ops->flush(p);
+    if (!p->ops->flush)
+        return;
+    hx_hush(p->agent);
+    p->ops->flush(p);
+    hx_hush(NULL);
 }
 
 void hx_peer_close(hx_peer *p)

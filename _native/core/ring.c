@@ -4,6 +4,13 @@
 #include <errno.h>
 #include <unistd.h>
 
+/* The agent whose hx_peer_flush runs on this thread: its caller drains the
+ * ring when the flush returns, so what the flush completes here needs no
+ * write to wake_fd (nor the loop's read of it). */
+static __thread hx_agent *hushed;
+
+void hx_hush(hx_agent *a) { hushed = a; }
+
 /* Under ring_lock: a write to wake_fd is owed (it is made after the unlock). */
 static bool arm(hx_agent *a)
 {
@@ -43,7 +50,7 @@ void hx_complete(hx_agent *a, uint64_t op_id, int status)
     uint32_t tail = (a->ring_head + a->ring_count) % a->ring_cap;
     a->ring[tail] = (hx_completion){.op_id = op_id, .status = status, .sys_errno = err};
     a->ring_count++;
-    bool wake = arm(a);
+    bool wake = a != hushed && arm(a);
     pthread_mutex_unlock(&a->ring_lock);
     wake_unlocked(a, wake);
 }

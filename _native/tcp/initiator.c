@@ -89,6 +89,15 @@ static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count, bo
     return rc;
 }
 
+/* Every frame up to done_at answered, or nothing more will be. */
+static bool answered(conn *c, uint64_t done_at)
+{
+    pthread_mutex_lock(&c->lock);
+    bool over = c->broken || c->answered >= done_at;
+    pthread_mutex_unlock(&c->lock);
+    return over;
+}
+
 /* Busy polling (Agent(busy_poll_us=...)): the op went out whole from this
  * thread; read its answer here for up to busy_ns rather than wait for the
  * I/O thread and the event loop's wake-up. Any answer that arrives meanwhile
@@ -101,16 +110,12 @@ static int poll_answer(hx_agent *a, conn *c, uint64_t op_id, uint64_t done_at, u
     tcp_inline_op = op_id;
     tcp_inline_done = false;
     pthread_mutex_lock(&c->rx_lock);
-    for (;;) {
-        pthread_mutex_lock(&c->lock);
-        bool over = c->broken || c->answered >= done_at;
-        pthread_mutex_unlock(&c->lock);
-        if (over)
-            break;
+    while (!answered(c, done_at)) {
         fail = tcp_conn_read(a, c);
         if (fail != HX_OK)
             break;
-        if (tcp_inline_done || tcp_now_ns() >= deadline)
+        /* No yield once the answer is in: the yield may hand the core over. */
+        if (tcp_inline_done || answered(c, done_at) || tcp_now_ns() >= deadline)
             break;
         sched_yield(); /* the target's thread may share this core (2 cores: it often does) */
     }

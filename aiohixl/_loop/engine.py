@@ -77,7 +77,7 @@ class Engine:
         self.completed = 0  # ops whose completion arrived, awaited or not
         self.unknown_completions = 0  # completions of no outstanding op: a bug if ever > 0
         self.last_op_id = 0  # the id of the op posted last (what a notification may follow)
-        self.on_wake: Any = None  # called after each drain: notifications may have arrived
+        self.on_wake: Any = None  # called after each drain (was it woken?): notifications may have arrived
         self._held: list[tuple[Any, int]] = []  # (handle, op id) of ops held until _flush_held
         self._held_first: HeldOpFuture | None = None  # the Future of the held burst's first op
         # when_none's waits: [oldest op id found, match, up_to, then]
@@ -268,7 +268,7 @@ class Engine:
             self._flush_held()
         if not waiter.done() and self.native is not None:
             _flush(waiter.handle)
-            self.drain()
+            self.drain(False)
 
     def _flush_held(self) -> None:
         held, self._held = self._held, []
@@ -290,8 +290,8 @@ class Engine:
                 _flush(handle)
         if flushed:
             # tcp's flush reads the burst's answers for a while: take what it put in the
-            # ring now, not a loop iteration later.
-            self.drain()
+            # ring now, not a loop iteration later (the flush signalled none of it).
+            self.drain(False)
 
     BUSY = object()  # post_with(busy_ok=True): the receiver has no room yet
 
@@ -348,7 +348,9 @@ class Engine:
         if first is not None:
             raise first
 
-    def drain(self) -> None:
+    def drain(self, woken: bool = True) -> None:
+        """Resolve the waiters of what the ring holds. ``woken``: the wake fd woke the loop
+        (else a flush drains the answers it read, which woke nobody)."""
         batch = self._batch
         backend = self.backend
         assert backend is not None  # drain is what the backend calls
@@ -380,7 +382,7 @@ class Engine:
         if self._waits:
             self._recheck()
         if self.on_wake is not None:
-            self.on_wake()
+            self.on_wake(woken)
 
     async def shutdown(self) -> None:
         """Stop native work (queued ops fail as closed), then resolve every op."""

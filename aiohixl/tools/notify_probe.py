@@ -49,12 +49,12 @@ def _instrument() -> dict[str, Any]:
     clock, cpu = time.monotonic, time.thread_time
     drain = engine_mod.Engine.drain
 
-    def timed_drain(self: Any) -> None:
+    def timed_drain(self: Any, woken: bool = True) -> None:
         if rec["waiting"]:
             rec["drains"] += 1
             if rec["drain"] is None:
                 rec["drain"], rec["drain_cpu"] = clock(), cpu()
-        drain(self)
+        drain(self, woken)
 
     engine_mod.Engine.drain = timed_drain  # type: ignore[method-assign]
     serve = notes_mod.Inbox._serve
