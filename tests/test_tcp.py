@@ -81,6 +81,38 @@ async def test_both_directions_at_once(pair):
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_a_large_puts_memory_is_free_to_change_once_it_completes(pair):
+    """Large puts hand the kernel their pages (splice through a pipe the connection makes for
+    it) instead of copying them into the socket: one that completed has been read by the
+    target, so the source may be rewritten at once. One buffer, rewritten after each put,
+    lands as it was at each put (odd sizes and offsets too: pieces that do not fill a page)."""
+    kv, target = pair["kv"], pair["target"]
+
+    def pipes() -> int:
+        fds, n = f"/proc/{os.getpid()}/fd", 0
+        for fd in os.listdir(fds):
+            try:
+                n += os.readlink(f"{fds}/{fd}").startswith("pipe:")
+            except FileNotFoundError:  # the listing's own fd, closed since
+                pass
+        return n
+
+    buf = np.zeros(3 << 20, dtype=np.uint8)
+    async with aiohixl.Agent("splicer", token=TOKEN, transports=TCP) as agent:
+        peer = await agent.connect(target.address)
+        src = agent.register(buf)
+        before = pipes()
+        cases = [(0, 1 << 20), (5, (1 << 20) + 4093), (4096, (3 << 20) - 4096), (1, 64 << 10)]
+        for i, (at, size) in enumerate(cases):
+            buf[:] = pattern(len(buf), 40 + i)
+            await peer.put(kv[i * (4 << 20) : i * (4 << 20) + size], src[at : at + size])
+            buf[:] = 0xEE  # what the target must never see
+        assert pipes() == before + 2
+        for i, (at, size) in enumerate(cases):
+            assert await target.hash("kv", i * (4 << 20), size) == sha(pattern(len(buf), 40 + i)[at : at + size])
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_medium_puts_held_for_the_burst_land_in_order(pair):
     """Puts of 32 KiB or more posted at the call wait for the end of the loop's current callbacks
     and go out as one burst: they land, and what is posted after them (a small put sent at once,

@@ -2,6 +2,7 @@
  * side, destroyed by the I/O thread or, once it is stopped, by Python). */
 #include "tcp.h"
 #include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <stdlib.h>
@@ -58,7 +59,22 @@ void tcp_frame_free(hx_agent *a, frame *f, int status)
     free(f);
 }
 
-/* The iovecs of what is unsent, from the first unsent frame on; how many. */
+/* A put's payload this big goes out by splice (spliced), not sendmsg: the
+ * kernel then takes the pages themselves, and on loopback the receiver's copy
+ * is the only one (sendmsg copies into the socket first, from memory that a
+ * stream of large puts has long evicted from the cache). The pages stay the
+ * socket's until the target has read them, which is before its answer: a
+ * put's memory is not to change before the put completes (docs/tcp.md). */
+#define SPLICE_MIN (64u * 1024u)
+
+/* The payload of f still to go out from offset `at` goes by splice. */
+static bool splices(const conn *c, const frame *f, uint64_t at)
+{
+    return c->pipe_w >= 0 && !c->target && f->opcode == HX_OP_PUT && f->datalen - at >= SPLICE_MIN;
+}
+
+/* The iovecs of what is unsent, from the first unsent frame on, up to a
+ * payload that splices; how many. */
 static int unsent_iov(conn *c, struct iovec *iov)
 {
     int n = 0;
@@ -72,12 +88,63 @@ static int unsent_iov(conn *c, struct iovec *iov)
             s = 0;
         } else
             s -= f->hdrlen;
+        if (splices(c, f, s))
+            break;
         if (f->datalen > s) {
             iov[n].iov_base = (void *)(f->data + s);
             iov[n++].iov_len = f->datalen - s;
         }
     }
     return n;
+}
+
+/* The connection's pipe for splice, made at its first large put; without
+ * one (no fds, or no pipe of HX_TCP_CHUNK) everything goes by sendmsg. */
+static void open_pipe(conn *c)
+{
+    int p[2];
+    c->pipe_tried = true;
+    if (pipe2(p, O_NONBLOCK | O_CLOEXEC) < 0)
+        return;
+    if (fcntl(p[1], F_SETPIPE_SZ, (int)HX_TCP_CHUNK) < (int)HX_TCP_CHUNK) {
+        close(p[0]);
+        close(p[1]);
+        return;
+    }
+    c->pipe_r = p[0];
+    c->pipe_w = p[1];
+}
+
+/* One step of sending: bytes into the socket (0: it has no room), or -1 with
+ * errno. What is in the pipe goes first; else the unsent payload at hand
+ * enters the pipe, if it splices; else sendmsg takes what it can. */
+static ssize_t send_step(conn *c)
+{
+    frame *f = c->unsent;
+    uint64_t at = f->sent > f->hdrlen ? f->sent - f->hdrlen : 0;
+    if (!c->piped && f->sent >= f->hdrlen && splices(c, f, at)) {
+        struct iovec v = {.iov_base = (void *)(f->data + at), .iov_len = f->datalen - at};
+        ssize_t n = vmsplice(c->pipe_w, &v, 1, 0);
+        if (n < 0) {
+            /* Memory the kernel will not lend (EFAULT: not pageable): by
+             * sendmsg from now on, which copies it as ever. */
+            close(c->pipe_r);
+            close(c->pipe_w);
+            c->pipe_r = c->pipe_w = -1;
+        } else
+            c->piped = (uint64_t)n;
+    }
+    if (c->piped) {
+        ssize_t k = splice(c->pipe_r, NULL, c->fd, NULL, c->piped, SPLICE_F_NONBLOCK);
+        if (k == 0)
+            errno = EAGAIN, k = -1; /* took nothing: wait for room, never spin */
+        else if (k > 0)
+            c->piped -= (uint64_t)k;
+        return k;
+    }
+    struct iovec iov[MAX_IOV];
+    struct msghdr msg = {.msg_iov = iov, .msg_iovlen = unsent_iov(c, iov)};
+    return sendmsg(c->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
 /* sendmsg took `left` bytes: the frames they finish are sent (a target's
@@ -112,13 +179,13 @@ static int flush(hx_agent *a, conn *c, uint64_t budget, bool unlocked)
     if (c->tx_io)
         return HX_OK; /* the I/O thread is sending: it goes on with what was queued meanwhile */
     while (c->unsent && !c->broken && budget) {
-        struct iovec iov[MAX_IOV];
-        struct msghdr msg = {.msg_iov = iov, .msg_iovlen = unsent_iov(c, iov)};
+        if (!c->pipe_tried && !c->target && c->unsent->datalen >= SPLICE_MIN)
+            open_pipe(c);
         if (unlocked) {
             c->tx_io = true;
             pthread_mutex_unlock(&c->lock);
         }
-        ssize_t w = sendmsg(c->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        ssize_t w = send_step(c);
         int err = errno;
         if (unlocked) {
             pthread_mutex_lock(&c->lock);
@@ -197,6 +264,12 @@ void tcp_conn_fail(hx_agent *a, conn *c, int status)
     c->outq = 0;
     pthread_mutex_unlock(&c->lock);
     epoll_ctl(T(a)->io->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+    if (f && c->pipe_tried) {
+        /* Spliced pages may wait in the send queue: reset, which drops it,
+         * before the ops fail and their memory may be reused. */
+        struct linger now = {.l_onoff = 1, .l_linger = 0};
+        setsockopt(c->fd, SOL_SOCKET, SO_LINGER, &now, sizeof now);
+    }
     shutdown(c->fd, SHUT_RDWR);
     close(c->fd);
     c->fd = -1;
@@ -220,6 +293,10 @@ void tcp_conn_fail(hx_agent *a, conn *c, int status)
 
 void tcp_conn_destroy(conn *c)
 {
+    if (c->pipe_w >= 0) {
+        close(c->pipe_r);
+        close(c->pipe_w);
+    }
     pthread_mutex_destroy(&c->lock);
     pthread_mutex_destroy(&c->rx_lock);
     free(c->rbuf);
@@ -271,12 +348,14 @@ conn *tcp_conn_new(hx_agent *a, int fd, const tcp_role *role, uint64_t session)
     c->fd = fd;
     c->target = role->target;
     c->session = session;
+    c->pipe_r = c->pipe_w = -1;
     atomic_init(&c->fail_req, 0);
     atomic_init(&c->freeing, false);
     atomic_init(&c->heard_ns, 0);
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); /* splice has no MSG_DONTWAIT */
     c->events = EPOLLIN | EPOLLRDHUP;
     c->last_rx_ns = c->last_tx_ns = tcp_now_ns();
     return c;

@@ -124,6 +124,11 @@ struct conn {
     uint8_t poll_skip; /* bursts before hx_peer_flush polls for answers again (under lock) */
     bool tx_io;        /* the I/O thread is in a sendmsg without the lock (tcp_flush_io) */
     bool tx_self;      /* the posting thread sends what it just queued: no EPOLLOUT for it yet */
+    /* initiator: the pipe large puts' payloads are spliced through (conn.c),
+     * -1 without one; the bytes in it, not yet in the socket (whoever sends) */
+    int pipe_r, pipe_w;
+    bool pipe_tried;
+    uint64_t piped;
     uint32_t events;
     bool broken;
     atomic_int fail_req; /* a failure another thread asked for */
