@@ -74,8 +74,8 @@ static bool splices(const conn *c, const frame *f, uint64_t at)
 }
 
 /* The iovecs of what is unsent, from the first unsent frame on, up to a
- * payload that splices; how many. */
-static int unsent_iov(conn *c, struct iovec *iov)
+ * payload that splices (*to_splice then); how many. */
+static int unsent_iov(conn *c, struct iovec *iov, bool *to_splice)
 {
     int n = 0;
     for (frame *f = c->unsent; f && n + 2 <= MAX_IOV; f = f->next) {
@@ -88,7 +88,7 @@ static int unsent_iov(conn *c, struct iovec *iov)
             s = 0;
         } else
             s -= f->hdrlen;
-        if (splices(c, f, s))
+        if ((*to_splice = splices(c, f, s)))
             break;
         if (f->datalen > s) {
             iov[n].iov_base = (void *)(f->data + s);
@@ -143,8 +143,11 @@ static ssize_t send_step(conn *c)
         return k;
     }
     struct iovec iov[MAX_IOV];
-    struct msghdr msg = {.msg_iov = iov, .msg_iovlen = unsent_iov(c, iov)};
-    return sendmsg(c->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    bool to_splice = false;
+    struct msghdr msg = {.msg_iov = iov, .msg_iovlen = unsent_iov(c, iov, &to_splice)};
+    /* A payload spliced next joins its header in one segment (MSG_MORE: the
+     * header waits in the socket for it; the splice's end pushes both). */
+    return sendmsg(c->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT | (to_splice ? MSG_MORE : 0));
 }
 
 /* sendmsg took `left` bytes: the frames they finish are sent (a target's
