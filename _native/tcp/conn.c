@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
@@ -99,24 +100,71 @@ static int unsent_iov(conn *c, struct iovec *iov, bool *to_splice)
 }
 
 /* The connection's pipe for splice, made at its first large put; without
- * one (no fds, or no pipe of HX_TCP_CHUNK) everything goes by sendmsg. */
+ * one (no fds, no pipe of PIPE_SIZE, or MAX_PIPES in this agent already)
+ * everything goes by sendmsg. A pipe of PIPE_SIZE (smaller ones cost the
+ * splice path a third of its throughput) counts against the user's pipe
+ * quota on the host (pipe-user-pages-soft: 64 MiB by default). */
+#define PIPE_SIZE (1024u * 1024u)
+#define MAX_PIPES 16
+
 static void open_pipe(conn *c)
 {
+    tcp_agent *t = T(c->base.agent);
     int p[2];
     c->pipe_tried = true;
+    if (atomic_fetch_add(&t->pipes, 1) >= MAX_PIPES)
+        goto none;
     if (pipe2(p, O_NONBLOCK | O_CLOEXEC) < 0)
-        return;
-    if (fcntl(p[1], F_SETPIPE_SZ, (int)HX_TCP_CHUNK) < (int)HX_TCP_CHUNK) {
+        goto none;
+    if (fcntl(p[1], F_SETPIPE_SZ, (int)PIPE_SIZE) < (int)PIPE_SIZE) {
         close(p[0]);
         close(p[1]);
-        return;
+        goto none;
     }
     c->pipe_r = p[0];
     c->pipe_w = p[1];
+    return;
+none:
+    atomic_fetch_sub(&t->pipes, 1);
 }
 
-/* One step of sending: bytes into the socket (0: it has no room), or -1 with
- * errno. What is in the pipe goes first; else the unsent payload at hand
+static void close_pipe(conn *c)
+{
+    if (c->pipe_w >= 0) {
+        close(c->pipe_r);
+        close(c->pipe_w);
+        atomic_fetch_sub(&T(c->base.agent)->pipes, 1);
+    }
+    c->pipe_r = c->pipe_w = -1;
+    c->piped = 0;
+}
+
+/* splice into the socket, which (unlike sendmsg's MSG_NOSIGNAL) raises
+ * SIGPIPE on a connection the peer reset: blocked around the call, and a
+ * SIGPIPE it raised taken back, so a process that does not ignore SIGPIPE
+ * learns of the loss as HX_E_CONNLOST, not by dying. */
+static ssize_t splice_out(conn *c)
+{
+    struct sigaction now;
+    if (sigaction(SIGPIPE, NULL, &now) == 0 && now.sa_handler == SIG_IGN)
+        return splice(c->pipe_r, NULL, c->fd, NULL, c->piped, SPLICE_F_NONBLOCK); /* CPython's default */
+    sigset_t pipe_only, old, pending;
+    sigemptyset(&pipe_only);
+    sigaddset(&pipe_only, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_only, &old);
+    sigpending(&pending);
+    bool was_pending = sigismember(&pending, SIGPIPE);
+    ssize_t k = splice(c->pipe_r, NULL, c->fd, NULL, c->piped, SPLICE_F_NONBLOCK);
+    int err = errno;
+    if (k < 0 && err == EPIPE && !was_pending)
+        sigtimedwait(&pipe_only, NULL, &(struct timespec){0});
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    errno = err;
+    return k;
+}
+
+/* One step of sending: bytes into the socket, or -1 with errno (EAGAIN:
+ * no room). What is in the pipe goes first; else the unsent payload at hand
  * enters the pipe, if it splices; else sendmsg takes what it can. */
 static ssize_t send_step(conn *c)
 {
@@ -125,20 +173,18 @@ static ssize_t send_step(conn *c)
     if (!c->piped && f->sent >= f->hdrlen && splices(c, f, at)) {
         struct iovec v = {.iov_base = (void *)(f->data + at), .iov_len = f->datalen - at};
         ssize_t n = vmsplice(c->pipe_w, &v, 1, 0);
-        if (n < 0) {
-            /* Memory the kernel will not lend (EFAULT: not pageable): by
-             * sendmsg from now on, which copies it as ever. */
-            close(c->pipe_r);
-            close(c->pipe_w);
-            c->pipe_r = c->pipe_w = -1;
-        } else
+        if (n < 0) /* memory the kernel will not lend (EFAULT): sendmsg copies it, as ever */
+            close_pipe(c);
+        else if (n == 0)
+            return errno = EAGAIN, -1; /* an empty pipe took nothing: never spin on it */
+        else
             c->piped = (uint64_t)n;
     }
     if (c->piped) {
-        ssize_t k = splice(c->pipe_r, NULL, c->fd, NULL, c->piped, SPLICE_F_NONBLOCK);
+        ssize_t k = splice_out(c);
         if (k == 0)
-            errno = EAGAIN, k = -1; /* took nothing: wait for room, never spin */
-        else if (k > 0)
+            return errno = EAGAIN, -1; /* took nothing: wait for room, never spin */
+        if (k > 0)
             c->piped -= (uint64_t)k;
         return k;
     }
@@ -201,8 +247,9 @@ static int flush(hx_agent *a, conn *c, uint64_t budget, bool unlocked)
                 break;
             return HX_E_CONNLOST;
         }
-        if (w > 0)
-            c->last_tx_ns = tcp_now_ns();
+        if (w == 0)
+            break; /* nothing taken, no error: EPOLLOUT says when to go on, never spin */
+        c->last_tx_ns = tcp_now_ns();
         budget = budget > (uint64_t)w ? budget - (uint64_t)w : 0;
         sent(a, c, (uint64_t)w);
     }
@@ -276,6 +323,7 @@ void tcp_conn_fail(hx_agent *a, conn *c, int status)
     shutdown(c->fd, SHUT_RDWR);
     close(c->fd);
     c->fd = -1;
+    close_pipe(c); /* broken is set: no send reaches it again */
     while (f) {
         frame *next = f->next;
         tcp_frame_free(a, f, status);
@@ -296,10 +344,7 @@ void tcp_conn_fail(hx_agent *a, conn *c, int status)
 
 void tcp_conn_destroy(conn *c)
 {
-    if (c->pipe_w >= 0) {
-        close(c->pipe_r);
-        close(c->pipe_w);
-    }
+    close_pipe(c);
     pthread_mutex_destroy(&c->lock);
     pthread_mutex_destroy(&c->rx_lock);
     free(c->rbuf);

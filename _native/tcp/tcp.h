@@ -207,6 +207,7 @@ typedef struct tcp_agent {
      * activity before it blocks, and how long a submitting thread polls for
      * the answer to a small op it sent itself (the op then ends inline). */
     uint64_t busy_ns;
+    atomic_int pipes; /* initiator conns holding a splice pipe (conn.c: at most MAX_PIPES) */
 } tcp_agent;
 
 static inline tcp_agent *T(hx_agent *a) { return a->state[HX_TRANSPORT_TCP]; }
