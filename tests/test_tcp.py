@@ -8,6 +8,7 @@ import signal
 import socket
 import struct
 import time
+from contextlib import AsyncExitStack
 
 import anyio
 import numpy as np
@@ -80,6 +81,17 @@ async def test_both_directions_at_once(pair):
     assert await pair["target"].hash("kv", 0, size * count) == sha(src_arr[: size * count])
 
 
+def pipes() -> int:
+    """Pipes this process holds open."""
+    fds, n = f"/proc/{os.getpid()}/fd", 0
+    for fd in os.listdir(fds):
+        try:
+            n += os.readlink(f"{fds}/{fd}").startswith("pipe:")
+        except FileNotFoundError:  # the listing's own fd, closed since
+            pass
+    return n
+
+
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_large_puts_memory_is_free_to_change_once_it_completes(pair):
     """Large puts hand the kernel their pages (splice through a pipe the connection makes for
@@ -87,15 +99,6 @@ async def test_a_large_puts_memory_is_free_to_change_once_it_completes(pair):
     target, so the source may be rewritten at once. One buffer, rewritten after each put,
     lands as it was at each put (odd sizes and offsets too: pieces that do not fill a page)."""
     kv, target = pair["kv"], pair["target"]
-
-    def pipes() -> int:
-        fds, n = f"/proc/{os.getpid()}/fd", 0
-        for fd in os.listdir(fds):
-            try:
-                n += os.readlink(f"{fds}/{fd}").startswith("pipe:")
-            except FileNotFoundError:  # the listing's own fd, closed since
-                pass
-        return n
 
     buf = np.zeros(3 << 20, dtype=np.uint8)
     async with aiohixl.Agent("splicer", token=TOKEN, transports=TCP) as agent:
@@ -110,6 +113,27 @@ async def test_a_large_puts_memory_is_free_to_change_once_it_completes(pair):
         assert pipes() == before + 2
         for i, (at, size) in enumerate(cases):
             assert await target.hash("kv", i * (4 << 20), size) == sha(pattern(len(buf), 40 + i)[at : at + size])
+
+
+async def test_an_agent_holds_at_most_16_splice_pipes_and_sends_the_rest_by_copy():
+    """Each splice pipe counts against the user's pipe quota on the host: an agent makes at most
+    16. Its 17th and 18th connections send their large puts by sendmsg, and they land as well."""
+    size = 1 << 20
+    async with AsyncExitStack() as stack:
+        targets = [
+            await stack.enter_async_context(aiohixl.Agent(f"t{i}", listen="127.0.0.1:0", token=TOKEN, transports=TCP))
+            for i in range(18)
+        ]
+        kvs = [t.allocate(size, name="kv") for t in targets]
+        agent = await stack.enter_async_context(aiohixl.Agent("many", token=TOKEN, transports=TCP))
+        src = agent.register(pattern(size, 5))
+        peers = [await agent.connect(t.address) for t in targets]
+        before = pipes()
+        for peer in peers:
+            await peer.put(await peer.region("kv"), src)
+        assert pipes() == before + 2 * 16
+        for kv in kvs:
+            assert sha(kv.memory) == sha(pattern(size, 5))
 
 
 @pytest.mark.asyncio(loop_scope="module")
