@@ -8,7 +8,7 @@ import signal
 import socket
 import struct
 import time
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import anyio
 import numpy as np
@@ -464,46 +464,44 @@ async def test_handshake_that_stalls_is_dropped(victim=None):
         await target.aclose()
 
 
-async def test_heartbeat_detects_a_silent_peer():
+@asynccontextmanager
+async def _heartbeating_pair():
+    """A target and a peer of it that both beat every 0.2 s (0.6 s of silence breaks the
+    connection), a 4 KiB region there and a source here: (target, peer, kv, src)."""
     target = await Target.start(heartbeat=0.2)
     try:
         await target.alloc("kv", 4096)
         async with aiohixl.Agent(token=TOKEN, transports=TCP, heartbeat_interval=0.2, heartbeat_timeout=0.6) as agent:
             peer = await agent.connect(target.address)
-            kv = await peer.region("kv")
-            src = agent.register(bytearray(4096))
-            target.proc.send_signal(signal.SIGSTOP)  # alive but silent: a half-open connection
-            await _stopped(target.proc.pid)
-            try:
-                start = time.monotonic()
-                with pytest.raises(aiohixl.ConnectionLost, match="heartbeat"):
-                    await peer.put(kv, src)
-                assert time.monotonic() - start < 3.0
-                assert isinstance(peer.broken, aiohixl.ConnectionLost)
-            finally:
-                target.proc.send_signal(signal.SIGCONT)
+            yield target, peer, await peer.region("kv"), agent.register(bytearray(4096))
     finally:
         await target.aclose()
+
+
+async def test_heartbeat_detects_a_silent_peer():
+    async with _heartbeating_pair() as (target, peer, kv, src):
+        target.proc.send_signal(signal.SIGSTOP)  # alive but silent: a half-open connection
+        await _stopped(target.proc.pid)
+        try:
+            start = time.monotonic()
+            with pytest.raises(aiohixl.ConnectionLost, match="heartbeat"):
+                await peer.put(kv, src)
+            assert time.monotonic() - start < 3.0
+            assert isinstance(peer.broken, aiohixl.ConnectionLost)
+        finally:
+            target.proc.send_signal(signal.SIGCONT)
 
 
 async def test_reading_a_poll_kept_goes_back_to_the_io_thread():
     """An awaited lone put's poll that read every answer keeps the reading (the next lone
     op needs no epoll_ctl); once no op comes, the hold timer hands it back to the I/O
     thread, which reads the target's heartbeats: the idle connection is not judged silent."""
-    target = await Target.start(heartbeat=0.2)
-    try:
-        await target.alloc("kv", 4096)
-        async with aiohixl.Agent(token=TOKEN, transports=TCP, heartbeat_interval=0.2, heartbeat_timeout=0.6) as agent:
-            peer = await agent.connect(target.address)
-            kv = await peer.region("kv")
-            src = agent.register(bytearray(4096))
-            for _ in range(200):
-                await peer.put(kv, src)
-            await asyncio.sleep(1.5)  # idle, over twice the heartbeat timeout
-            assert peer.broken is None
+    async with _heartbeating_pair() as (_, peer, kv, src):
+        for _ in range(200):
             await peer.put(kv, src)
-    finally:
-        await target.aclose()
+        await asyncio.sleep(1.5)  # idle, over twice the heartbeat timeout
+        assert peer.broken is None
+        await peer.put(kv, src)
 
 
 async def _stopped(pid: int) -> None:
