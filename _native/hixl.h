@@ -96,6 +96,9 @@ int hx_agent_drain(hx_agent *a, hx_completion *out, int max);
 /* For tests: completes op_id with status from a native thread of its own,
  * whose errno is err, as a transport thread that saw a system call fail. */
 int hx_test_complete_on_thread(hx_agent *a, uint64_t op_id, int status, int err);
+/* For tests: 1 when a completion waits in the ring with no wake owed for it
+ * (one a flush left there for its caller to drain, not drained). */
+int hx_test_ring_unseen(hx_agent *a);
 /* Notifications: take up to max (oldest first); how many are queued; how
  * many could not be held back and were dropped; the queue's capacity (a full
  * queue holds senders back: default 4096). */
@@ -141,6 +144,12 @@ int hx_peer_post1(hx_peer *p, int opcode, uint64_t op_id, uint32_t local_region,
  * The caller drains the ring (hx_agent_drain) once it returns: what it
  * completed on this thread is not signalled on the wake fd. */
 void hx_peer_flush(hx_peer *p);
+/* hx_peer_flush by a caller about to wait for op_id, which hx_peer_post
+ * called HX_POSTED_POLL. HX_DONE_INLINE: op_id succeeded on this thread,
+ * no completion follows, and the ring holds nothing and no notification
+ * may wait (the caller has nothing to drain). Else HX_POSTED: the caller
+ * drains the ring, where op_id's completion is or will be. */
+int hx_peer_await(hx_peer *p, uint64_t op_id);
 /* Fails the peer's queued ops with HX_E_CLOSED; ops already copying finish. */
 void hx_peer_close(hx_peer *p);
 /* Fails every op outstanding on the peer with status (e.g. HX_E_CONNLOST when

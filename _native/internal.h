@@ -76,8 +76,10 @@ typedef struct hx_peer_ops {
     void (*destroy)(hx_peer *p);
     int transport; /* HX_TRANSPORT_*: the slot of the agent's counters (hx_stats) */
     /* Sends what post held (NULL: the transport holds nothing; the opcode
-     * it gets never has HX_OP_HOLD then). */
-    void (*flush)(hx_peer *p);
+     * it gets never has HX_OP_HOLD then). op_id (0: none) is the op its
+     * caller is about to wait for: HX_DONE_INLINE when that op succeeded on
+     * this thread and no completion follows, else HX_POSTED. */
+    int (*flush)(hx_peer *p, uint64_t op_id);
 } hx_peer_ops;
 
 struct hx_peer {
@@ -214,6 +216,8 @@ void hx_wake(hx_agent *a);
 /* Completions of agent a on this thread from now on wake nobody (NULL: they
  * do again): hx_peer_flush's caller drains the ring once it returns. */
 void hx_hush(hx_agent *a);
+/* Whether the ring holds no completion. */
+bool hx_ring_empty(hx_agent *a);
 
 /* core/notes.c. push: HX_E_BUSY when the queue is full; the caller holds the
  * sender back until note_space. dropped: counts a message that arrived and

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ._agent.core import AgentCore
 from ._agent.peer_core import PeerCore
 from ._control.handshake import Identity
-from ._loop.backends import PolledOpFuture
+from ._loop import backends
 from ._loop.engine import Engine
 from ._loop.native import lib
 from .agent import Agent
@@ -28,6 +28,8 @@ __all__ = [
     "notes_link",
     "peer_tracked",
     "polled",
+    "ended_without_future",
+    "completions_unseen",
     "region_info",
     "tracked_peers",
     "transport",
@@ -47,8 +49,19 @@ def held_ops(agent: Agent) -> int:
 def polled(op: object) -> bool:
     """Whether a put/get's awaitable is of an op whose answer its awaiting task reads itself
     (HX_POSTED_POLL) and nobody has come to read yet."""
-    waiter = getattr(op, "_waiter", None)
-    return type(waiter) is PolledOpFuture and waiter.flush is not None
+    return type(op) is backends.PolledOp and op.state == backends.FRESH
+
+
+def ended_without_future(op: object) -> bool:
+    """Whether a polled op's awaiting ended with no Future made for it (its answer read by the
+    awaiting task, or drained before the task had to wait)."""
+    return type(op) is backends.PolledOp and op.state == backends.OK
+
+
+def completions_unseen(agent: Agent) -> bool:
+    """Whether a completion waits in the agent's ring with no wake-up owed for it: one a flush
+    left for its caller to drain and the caller did not (the loop would never see it)."""
+    return bool(lib.hx_test_ring_unseen(engine(agent).native))
 
 
 def in_flight_on(agent: Agent, region: Region) -> bool:

@@ -13,6 +13,7 @@ from ._construct import NoPublicConstructor
 from ._control import wire as w
 from ._loop.backends import DoneOp as _DoneOp
 from ._loop.backends import Op as _Op
+from ._loop.backends import PolledOp as _PolledOp
 from ._loop.native import lib
 from .errors import (
     AccessDenied,
@@ -189,7 +190,7 @@ class Peer(metaclass=NoPublicConstructor):
                 else link.post_one(engine, opcode, rs, ls, what, core)
             )
             if waiter is not None:
-                return _Op(waiter)
+                return waiter if type(waiter) is _PolledOp else _Op(waiter)
         return _DoneOp()
 
     async def put_many(

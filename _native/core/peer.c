@@ -88,8 +88,25 @@ void hx_peer_flush(hx_peer *p)
     if (!p->ops->flush)
         return;
     hx_hush(p->agent);
-    p->ops->flush(p);
+    p->ops->flush(p, 0);
     hx_hush(NULL);
+}
+
+int hx_peer_await(hx_peer *p, uint64_t op_id)
+{
+    if (!p->ops->flush)
+        return HX_POSTED;
+    hx_agent *a = p->agent;
+    hx_hush(a);
+    int rc = p->ops->flush(p, op_id);
+    if (rc == HX_DONE_INLINE && (!hx_ring_empty(a) || hx_agent_notes_ready(a))) {
+        /* The caller drains anyway: op_id goes with the rest, so that one
+         * answer says all. */
+        hx_complete(a, op_id, HX_OK);
+        rc = HX_POSTED;
+    }
+    hx_hush(NULL);
+    return rc;
 }
 
 void hx_peer_close(hx_peer *p)

@@ -11,6 +11,14 @@ static __thread hx_agent *hushed;
 
 void hx_hush(hx_agent *a) { hushed = a; }
 
+bool hx_ring_empty(hx_agent *a)
+{
+    pthread_mutex_lock(&a->ring_lock);
+    bool empty = a->ring_count == 0;
+    pthread_mutex_unlock(&a->ring_lock);
+    return empty;
+}
+
 /* Under ring_lock: a write to wake_fd is owed (it is made after the unlock). */
 static bool arm(hx_agent *a)
 {
@@ -116,4 +124,12 @@ int hx_test_complete_on_thread(hx_agent *a, uint64_t op_id, int status, int err)
         return HX_E_SYS;
     pthread_join(t, NULL);
     return HX_OK;
+}
+
+int hx_test_ring_unseen(hx_agent *a)
+{
+    pthread_mutex_lock(&a->ring_lock);
+    bool unseen = a->ring_count && !a->signaled;
+    pthread_mutex_unlock(&a->ring_lock);
+    return unseen;
 }

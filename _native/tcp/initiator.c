@@ -252,8 +252,9 @@ static int check_frames(tcp_op *op, int opcode, uint64_t op_id, const hx_sge *sg
  * thread's, then the event loop's) are saved. With nothing held, the answer
  * of an op submit called HX_POSTED_POLL is read for up to LONE_POLL_NS: the
  * event loop would block for it otherwise. Not in the latency mode, where
- * the I/O thread polls already. */
-static void tcp_flush(hx_peer *p)
+ * the I/O thread polls already. An answer read here to op_id (hx_peer_await)
+ * makes it HX_DONE_INLINE, not a completion. */
+static int tcp_flush(hx_peer *p, uint64_t op_id)
 {
     conn *c = (conn *)p;
     hx_agent *a = p->agent;
@@ -278,14 +279,15 @@ static void tcp_flush(hx_peer *p)
     }
     pthread_mutex_unlock(&c->lock);
     if (!done_at)
-        return;
-    poll_answer(a, c, 0, done_at, lone ? LONE_POLL_NS : FLUSH_POLL_NS, true);
+        return HX_POSTED;
+    int rc = poll_answer(a, c, op_id, done_at, lone ? LONE_POLL_NS : FLUSH_POLL_NS, true);
     /* A peer whose answers take longer (another host) is not polled for
      * again until POLL_SKIP bursts later: the wait would only cost the loop. */
     pthread_mutex_lock(&c->lock);
     if (c->answered < done_at)
         c->poll_skip = POLL_SKIP;
     pthread_mutex_unlock(&c->lock);
+    return rc;
 }
 
 /* The request frames of one piece (local bytes at `local`), appended to

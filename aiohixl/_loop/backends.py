@@ -63,15 +63,7 @@ class Op:
         self._steps: Any = None
 
     def __await__(self) -> Any:
-        return self._waiter_steps()
-
-    def _waiter_steps(self) -> Any:
-        waiter = self._waiter
-        if type(waiter) is PolledOpFuture and waiter.flush is not None:
-            # Read the answer before the task yields: when it is in, awaiting ends
-            # without a turn of the loop.
-            waiter.flush(waiter)
-        return waiter.__await__()
+        return self._waiter.__await__()
 
     def done(self) -> bool:
         """Whether awaiting it returns at once: the op ended (or the Task awaiting it was
@@ -81,7 +73,7 @@ class Op:
     def send(self, value: Any) -> Any:
         steps = self._steps
         if steps is None:
-            steps = self._steps = self._waiter_steps()
+            steps = self._steps = self._waiter.__await__()
         return steps.send(value)
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
@@ -152,12 +144,69 @@ class HeldOpFuture(asyncio.Future):
         super().add_done_callback(fn, context=context)
 
 
-class PolledOpFuture(HeldOpFuture):
-    """The Future of a lone op whose answer its loop reads itself (tcp): the first
-    callback attached (the awaiting Task's) calls ``flush`` (the engine's poll), which may
-    resolve it before the loop turns."""
+FRESH, WAIT, OK = 0, 1, 2  # PolledOp.state
 
-    handle: Any = None  # the native peer that reads the answer
+
+class PolledOp(Op):
+    """``Op`` of a lone op whose answer the awaiting task reads itself (tcp's
+    HX_POSTED_POLL). Awaiting it first reads the answer (``Engine.poll_lone``); when
+    that ends the op, awaiting returns with no Future made and no turn of the loop.
+    A Future is made only for a task that must wait, or to carry a failure.
+
+    It is also the op's waiter in the engine's records: ``done``, ``set_result`` and
+    ``set_exception`` are what ``AsyncioBackend.resolve`` calls."""
+
+    __slots__ = ("_engine", "handle", "op_id", "state")
+
+    def __init__(self, engine: Any, handle: Any, op_id: int) -> None:
+        self._waiter: asyncio.Future | None = None  # type: ignore[assignment]
+        self._steps = None
+        self._engine = engine
+        self.handle = handle  # the native peer that reads the answer
+        self.op_id = op_id
+        self.state = FRESH  # FRESH: nobody read for it; WAIT: read, or a Future has it; OK: it succeeded
+
+    def _read(self) -> None:
+        self.state = WAIT
+        self._engine.poll_lone(self)  # may end it: OK, or a Future holding its failure
+
+    def __await__(self) -> Any:
+        if self.state == FRESH:
+            self._read()
+        if self.state == OK:
+            return iter(())  # ends at once, with None
+        return self._future().__await__()
+
+    def send(self, value: Any) -> Any:
+        steps = self._steps
+        if steps is None:
+            if self.state == FRESH:
+                self._read()
+            if self.state == OK:
+                raise StopIteration
+            steps = self._steps = self._future().__await__()
+        return steps.send(value)
+
+    def _future(self) -> asyncio.Future:
+        waiter = self._waiter
+        if waiter is None:
+            waiter = self._waiter = self._engine.loop.create_future()
+        return waiter
+
+    def done(self) -> bool:
+        waiter = self._waiter
+        return self.state == OK or (waiter is not None and waiter.done())
+
+    def set_result(self, result: None) -> None:
+        waiter = self._waiter
+        if waiter is None:
+            self.state = OK
+        else:
+            waiter.set_result(result)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.state = WAIT  # nothing left to read for
+        self._future().set_exception(exc)  # a failure never awaited is logged, as a Future's is
 
 
 class AsyncioBackend(Backend):

@@ -19,11 +19,12 @@ import anyio
 from ..errors import ClosedError, HixlError, TransferTimeout, WrongEventLoop
 from ..memory import Region, RegionSlice
 from ..remote import RemoteSlice
-from .backends import Backend, HeldOpFuture, PolledOpFuture, current_backend
+from .backends import Backend, HeldOpFuture, PolledOp, current_backend
 from .native import check, ffi, lib, status_error
 
 _post1 = lib.hx_peer_post1  # one lookup, not one per op
 _flush = lib.hx_peer_flush
+_await = lib.hx_peer_await
 _HOLD = lib.HX_OP_HOLD
 _POLL = lib.HX_OP_POLL
 
@@ -204,7 +205,7 @@ class Engine:
             self.completed += 1
             return None
         if rc == 3:  # HX_POSTED_POLL
-            waiter = self._polled(handle)
+            waiter = PolledOp(self, handle, op_id)
             self._ops[op_id] = (waiter, keep, what, owner)
             return waiter
         return self._track(op_id, rc, keep, what, owner)
@@ -229,12 +230,13 @@ class Engine:
             return None
         if rc < 0:
             raise status_error(rc, what)
-        if rc == 2 and not self._held:  # HX_POSTED_HELD, the first of a burst
+        waiter: Any
+        if rc == 3:  # HX_POSTED_POLL: its answer is read when it is awaited (poll_lone)
+            waiter = PolledOp(self, handle, op_id)
+        elif rc == 2 and not self._held:  # HX_POSTED_HELD, the first of a burst
             self.loop.call_soon(self._flush_held)  # unless its first waiter flushes sooner
             waiter = self._held_first = HeldOpFuture(loop=self.loop)
             waiter.flush = self._flush_first
-        elif rc == 3:  # HX_POSTED_POLL: its answer is read when it is awaited (_poll_lone)
-            waiter = self._polled(handle)
         else:
             waiter = self.backend.new_waiter()  # type: ignore[union-attr]  # attached: loop is set
         if rc == 2:
@@ -249,26 +251,29 @@ class Engine:
         if first is self._held_first and len(self._held) > 1:
             self._flush_held()
 
-    def _polled(self, handle: Any) -> PolledOpFuture:
-        waiter = PolledOpFuture(loop=self.loop)
-        waiter.flush = self._poll_lone
-        waiter.handle = handle
-        return waiter
-
-    def _poll_lone(self, waiter: PolledOpFuture) -> None:
+    def poll_lone(self, op: PolledOp) -> None:
         """A task waits for an op the transport called worth polling for (tcp: sent whole,
         its answer the next to come): the loop would block in its selector now, then be
         woken by the native I/O thread, itself woken by the answer. Reading the answer
         here (the native side reads it for a few tens of microseconds at most) saves both
         wake-ups. A burst posted behind it goes out first (its flush reads the answers).
         Native holds the answer for this call for a millisecond at most, then reads it
-        itself: an op never awaited still ends."""
-        waiter.flush = None
+        itself: an op never awaited still ends.
+
+        When the answer read is this op's success and nothing else came with it, the op
+        ends here, with no trip through the ring."""
         if self._held:
             self._flush_held()
-        if not waiter.done() and self.native is not None:
-            _flush(waiter.handle)
+        if op.done() or self.native is None:
+            return
+        if _await(op.handle, op.op_id) != 1:  # not HX_DONE_INLINE: the ring has it, or will
             self.drain(False)
+            return
+        del self._ops[op.op_id]
+        self.completed += 1
+        op.set_result(None)
+        if self._slot_waiters or self._waits:
+            self.drain(False)  # the slot it freed, the op it ended: what waits on those goes on
 
     def _flush_held(self) -> None:
         held, self._held = self._held, []
