@@ -13,6 +13,7 @@ was holding back.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -31,12 +32,6 @@ _IMM = int(lib.HX_NOTE_IMM)
 _drain_notes = lib.hx_agent_drain_notes  # one lookup, not one per pull
 _notes_ready = lib.hx_agent_notes_ready
 _get_ident = threading.get_ident  # asyncio.get_running_loop() makes a getpid() system call (3.11)
-
-
-def _expire(waiter: Any, what: str, timeout: float) -> None:
-    """notification(timeout=)'s timer (asyncio): the waiter fails, unless it was served first."""
-    if not waiter.done():
-        waiter.set_exception(NotificationTimeout(f"{what}: no notification within {timeout} s"))
 
 
 class Notification:
@@ -88,7 +83,10 @@ class Inbox:
         self.capacity = capacity
         self.senders = senders  # native source (session key) -> the sender's (name, agent id)
         self._queue: collections.deque[Notification] = collections.deque()
-        self._waiters: list[list[Any]] = []  # [waiter, match, notification]
+        # [waiter, match, notification, deadline (asyncio: loop time, or None), timeout, what]
+        self._waiters: list[list[Any]] = []
+        self._timer: Any = None  # asyncio: fires at the earliest deadline of a waiter, or before it
+        self._timer_at = math.inf
         self._space: list[Any] = []  # senders on this agent (loopback) waiting for room
         self._buf = ffi.new("hx_note[]", _BATCH)
         self._short = False  # the last pull stopped for want of room: more may wait natively
@@ -143,7 +141,7 @@ class Inbox:
         backend = self.engine.backend
         assert backend is not None
         for entry in list(self._waiters):
-            waiter, match, _ = entry
+            waiter, match = entry[0], entry[1]
             if not backend.pending(waiter):
                 self._waiters.remove(entry)  # its task was cancelled: it takes nothing
                 continue
@@ -178,25 +176,26 @@ class Inbox:
         native = engine.native
         if native is not None and (self._short or _notes_ready(native)):
             self.pull()
-        note = self._take(match)
+        note = (self._queue.popleft() if self._queue else None) if match is None else self._take(match)
         if note is not None:
             if self._short:
                 self.pull()  # room made: more may wait natively
             return note
-        waiter = backend.new_waiter()
-        entry: list[Any] = [waiter, match, None]
+        waiter = loop.create_future() if loop is not None else backend.new_waiter()
+        entry: list[Any] = [waiter, match, None, None, timeout, what]
         self._waiters.append(entry)
         try:
             if timeout is None:
                 await backend.wait(waiter)
             elif loop is not None:
-                # asyncio: a timer that fails the waiter, not a cancel scope (anyio's costs tens
-                # of microseconds of the loop's CPU per wait, more than the wake-up itself).
-                timer = loop.call_later(timeout, _expire, waiter, what, timeout)
-                try:
-                    await waiter
-                finally:
-                    timer.cancel()
+                # asyncio: not a cancel scope (anyio's costs tens of microseconds of the loop's
+                # CPU per wait, more than the wake-up itself), nor a timer per wait (a
+                # call_later and its cancel are a dozen calls into asyncio per notification):
+                # one timer, at the earliest deadline, which sets itself again when it fires.
+                deadline = entry[3] = loop.time() + timeout
+                if deadline < self._timer_at:
+                    self._arm(loop, deadline)
+                await waiter
             else:
                 try:
                     with anyio.fail_after(timeout):
@@ -209,6 +208,27 @@ class Inbox:
         if entry[2] is None:
             raise ClosedError(f"{what}: agent closed while waiting")
         return entry[2]
+
+    def _arm(self, loop: Any, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = loop.call_at(at, self._expire), at
+
+    def _expire(self) -> None:
+        """The timer (asyncio): waiters past their deadline fail, unless served first; it is
+        set again for the earliest deadline still ahead."""
+        self._timer, self._timer_at = None, math.inf
+        loop = self.engine.loop
+        now, soonest = loop.time(), math.inf
+        for waiter, _, _, deadline, timeout, what in self._waiters:
+            if deadline is None or waiter.done():
+                continue
+            if deadline <= now:
+                waiter.set_exception(NotificationTimeout(f"{what}: no notification within {timeout} s"))
+            elif deadline < soonest:
+                soonest = deadline
+        if soonest < math.inf:
+            self._arm(loop, soonest)
 
     async def room(self) -> None:
         """Wait until the native queue took some messages off (a loopback sender held back)."""
@@ -226,10 +246,13 @@ class Inbox:
 
     def close(self) -> None:
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, math.inf
         if self.engine.backend is None:
             return
-        for waiter, _, _ in self._waiters:
-            self.engine.backend.resolve(waiter, ClosedError("Agent.notification: agent closed"))
+        for entry in self._waiters:
+            self.engine.backend.resolve(entry[0], ClosedError("Agent.notification: agent closed"))
         self._waiters.clear()
         for w in self._space:
             self.engine.backend.resolve(w, ClosedError("notify: agent closed"))

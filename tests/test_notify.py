@@ -339,6 +339,36 @@ async def test_two_senders_of_one_name_are_told_apart_by_their_id():
             assert (note.peer, note.peer_id) == ("target", target.id)
 
 
+async def test_waits_of_different_timeouts_each_end_at_their_own(agent):
+    """Waits with timeouts share one loop timer, set for the earliest deadline: a shorter wait
+    that comes later still ends on time, a longer one waits on once a shorter one ended, and
+    none ends before its deadline."""
+    peer = agent.loopback()
+    loop = asyncio.get_running_loop()
+    inbox = agent._core.inbox
+
+    async def timed_out(timeout: float, match: bytes) -> float:
+        start = loop.time()
+        with pytest.raises(aiohixl.NotificationTimeout, match=f"within {timeout} s"):
+            await agent.notification(timeout=timeout, match=match)
+        return loop.time() - start
+
+    long = asyncio.ensure_future(agent.notification(timeout=60, match=b"long"))
+    await wait_until(lambda: len(inbox._waiters) == 1, what="the long wait waits")
+    # Shorter than the timer set for the long wait: the timer is set earlier (not the long
+    # wait's deadline, a minute away: 30 s is no bound on speed, only on which timer fired).
+    assert 0.05 <= await timed_out(0.05, b"short") < 30
+    # Two more, the later one longer: the first ends, the timer is set for the second.
+    first = asyncio.ensure_future(timed_out(0.05, b"first"))
+    second = asyncio.ensure_future(timed_out(0.2, b"second"))
+    assert 0.05 <= await first < 30
+    assert 0.2 <= await second < 30
+    assert not long.done()
+    await peer.notify(b"long")
+    assert (await long).data == b"long"
+    assert inbox._waiters == []
+
+
 async def test_a_wait_that_times_out_or_is_cancelled_takes_nothing(agent):
     """notification(timeout=) under asyncio is a loop timer on the waiter: a wait that ends by
     it, or by its task's cancellation, leaves the waiter list empty and takes no message."""
