@@ -340,6 +340,19 @@ async def test_closing_allocated_region_unmaps_it_before_close_returns(agent):
     assert not _mapped("gone") and region.pinned.fd is None
 
 
+async def test_memory_still_viewed_after_close_keeps_its_bytes(agent):
+    """Closing drops the mapping's page-table entries a piece at a time before unmapping (the
+    mmap lock is not held for the whole of a GiB); a view the caller still holds keeps the
+    mapping, and its bytes, the last piece's included."""
+    size = (64 << 20) + 12345  # two pieces and a part
+    region = agent.allocate(size, name="viewed")
+    view = np.frombuffer(region.memory, dtype=np.uint8)
+    view[:] = pattern_bytes = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+    await region.close()
+    assert region.closed and region.pinned.fd is None
+    assert np.array_equal(view, pattern_bytes)
+
+
 async def test_cancelled_close_still_releases_the_region(agent):
     region = agent.allocate(8 << 20, name="cancelled")
     task = asyncio.create_task(region.close())
