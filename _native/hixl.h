@@ -243,6 +243,9 @@ int hx_prefault(void *addr, uint64_t len, int write, int threads);
  * The memory must stay mapped until that completion: the thread touches it
  * until then. HX_POSTED, or HX_E_NOMEM with nothing started. */
 int hx_prefault_post(hx_agent *a, uint64_t op_id, void *addr, uint64_t len, int write, int threads);
+/* Drops the page-table entries of a shared mapping about to be unmapped, a
+ * piece at a time (MADV_DONTNEED; its pages stay in the file). Blocks. */
+void hx_unpopulate(void *addr, uint64_t len);
 /* Counters kept natively per agent (relaxed atomics, one add per post and
  * per failure), read in one call. transports[t], t in the order of
  * hx_transport_name(t): ops posted through this agent's peers of that

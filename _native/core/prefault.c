@@ -157,3 +157,19 @@ int hx_prefault(void *addr, uint64_t len, int write, int threads)
             return 1; /* fell back to touching pages */
     return 0;
 }
+
+/* Unmapping GiBs in one munmap holds the process's mmap lock for tens of
+ * milliseconds, and every thread that maps or unmaps meanwhile waits (an
+ * event loop's allocator mapping an arena: 65-71 ms beside 1 GiB). Dropped
+ * first in pieces, under the lock taken for reading a piece at a time, the
+ * wait is one piece. Called without the GIL (cffi): Python's mmap.madvise
+ * holds it, which stalled the loop for as long. */
+#define UNPOPULATE_PIECE (32ull << 20)
+
+void hx_unpopulate(void *addr, uint64_t len)
+{
+    for (uint64_t off = 0; off < len; off += UNPOPULATE_PIECE) {
+        uint64_t n = len - off < UNPOPULATE_PIECE ? len - off : UNPOPULATE_PIECE;
+        madvise((char *)addr + off, n, MADV_DONTNEED); /* best effort: the munmap follows */
+    }
+}

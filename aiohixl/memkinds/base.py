@@ -6,14 +6,7 @@ import mmap
 import os
 from typing import Any
 
-from .._loop.native import ffi
-
-# Unmapping a mapping of GiBs at once holds the process's mmap lock for tens of milliseconds,
-# and any thread that maps or unmaps meanwhile waits for it: the event loop's, whose allocator
-# maps arenas, while a worker thread releases a region. madvise(MADV_DONTNEED) drops the
-# page-table entries first, holding the lock for reading, this much at a time (measured with a
-# thread mapping 1 MiB beside the release of 1 GiB: its worst wait 32-38 ms -> 6-7 ms).
-_ZAP = 32 << 20
+from .._loop.native import ffi, lib
 
 
 class Pinned:
@@ -48,8 +41,11 @@ class Pinned:
         for obj in self._holds:
             if isinstance(obj, memoryview):
                 obj.release()
-            elif isinstance(obj, mmap.mmap):  # our own MAP_SHARED mapping of a memfd (memfd.py)
-                _zap(obj)  # its pages stay in the memfd: a view still held sees them
+            elif isinstance(obj, mmap.mmap):
+                # Our own MAP_SHARED mapping of a memfd, at self.address (memfd.py): its pages
+                # stay in the file, a view still held sees them. The unmap of GiBs at once holds
+                # the mmap lock long enough to stall the loop (hx_unpopulate says why).
+                lib.hx_unpopulate(ffi.cast("void *", self.address), self.nbytes)
                 try:
                     obj.close()
                 except BufferError:
@@ -60,12 +56,6 @@ class Pinned:
             os.close(self.fd)
             self.fd = None
         self._holds = ()
-
-
-def _zap(mm: mmap.mmap) -> None:
-    size = len(mm)
-    for off in range(0, size, _ZAP):
-        mm.madvise(mmap.MADV_DONTNEED, off, min(_ZAP, size - off))
 
 
 def address_of(cdata: Any) -> int:
