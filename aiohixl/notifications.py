@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,12 @@ class Notification:
         what = f"imm={self.imm:#x} nbytes={self.nbytes}" if self.imm is not None else f"data={self.data[:32]!r}"
         who = f"{self.peer!r} (id {self.peer_id[:4].hex()})" if self.peer_id is not None else repr(self.peer)
         return f"<Notification from {who} {what}>"
+
+
+def _expire(inbox: weakref.ref[Inbox], loop: Any) -> None:
+    alive = inbox()
+    if alive is not None:
+        alive._expire(loop)
 
 
 def note_bytes(data: Any, what: str, arg: str = "notify=") -> bytes:
@@ -212,13 +219,14 @@ class Inbox:
     def _arm(self, loop: Any, at: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer, self._timer_at = loop.call_at(at, self._expire), at
+        # Left set when its waiter is served (one wake-up at most, per deadline), so it holds
+        # the inbox weakly: an abandoned agent is not kept until then.
+        self._timer, self._timer_at = loop.call_at(at, _expire, weakref.ref(self), loop), at
 
-    def _expire(self) -> None:
+    def _expire(self, loop: Any) -> None:
         """The timer (asyncio): waiters past their deadline fail, unless served first; it is
         set again for the earliest deadline still ahead."""
         self._timer, self._timer_at = None, math.inf
-        loop = self.engine.loop
         now, soonest = loop.time(), math.inf
         for waiter, _, _, deadline, timeout, what in self._waiters:
             if deadline is None or waiter.done():

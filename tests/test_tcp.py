@@ -31,6 +31,7 @@ from .waiting import wait_until, wait_until_sync
 TCP = ("tcp",)  # these tests are about tcp: shared memory would take over on one host
 SPACE = 256 << 20
 SEED = 21
+POLL_SKIP = 15  # tcp.h: lone ops not polled for after a poll that missed
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -540,6 +541,42 @@ async def _stopped(pid: int) -> None:
             return f.read().rpartition(")")[2].split()[0] == "T"
 
     await wait_until(stopped, timeout=5, what="the target stopped")
+
+
+async def test_a_lone_put_failing_as_its_agent_closes_raises_that():
+    """A lone put whose answer its awaiting task would read, still unawaited when its agent
+    closes (the target stopped: no answer comes), fails with the close; awaiting it raises
+    that, and the drain that failed it goes on with the rest."""
+    target = await Target.start(heartbeat=5.0)  # silence is judged after 15 s: longer than this test
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    try:
+        await target.alloc("kv", 1 << 20)
+        async with aiohixl.Agent(token=TOKEN, transports=TCP, heartbeat_interval=5.0, heartbeat_timeout=15.0) as agent:
+            peer = await agent.connect(target.address)
+            kv = await peer.region("kv")
+            src = agent.register(pattern(1 << 20, 6))
+            for _ in range(4 * (POLL_SKIP + 1)):  # until a poll reads its answer: the next is polled too
+                op = peer.put(kv[:4096], src[:4096])
+                polled = hooks.polled(op)
+                await op
+                if polled and hooks.ended_without_future(op):
+                    break
+            target.proc.send_signal(signal.SIGSTOP)
+            await _stopped(target.proc.pid)
+            op = peer.put(kv[:4096], src[:4096])
+            assert hooks.polled(op)
+            engine = hooks.engine(agent)
+            await agent.aclose()
+            with pytest.raises(aiohixl.ClosedError):
+                await op
+            assert op.done() and engine.unknown_completions == 0
+    finally:
+        loop.set_exception_handler(None)
+        target.proc.send_signal(signal.SIGCONT)
+        await target.aclose()
+    assert errors == []
 
 
 async def test_a_put_stalled_mid_payload_cannot_hold_a_region_forever():

@@ -190,7 +190,8 @@ class PolledOp(Op):
     def _future(self) -> asyncio.Future:
         waiter = self._waiter
         if waiter is None:
-            waiter = self._waiter = self._engine.loop.create_future()
+            # The backend's, not engine.loop: a closing agent drops that before its ops fail.
+            waiter = self._waiter = self._engine.backend.new_waiter()
         return waiter
 
     def done(self) -> bool:
@@ -203,10 +204,12 @@ class PolledOp(Op):
             self.state = OK
         else:
             waiter.set_result(result)
+        self._engine = None  # ended: an op kept by its caller keeps no agent alive
 
     def set_exception(self, exc: BaseException) -> None:
         self.state = WAIT  # nothing left to read for
         self._future().set_exception(exc)  # a failure never awaited is logged, as a Future's is
+        self._engine = None
 
 
 class AsyncioBackend(Backend):
