@@ -51,7 +51,8 @@ class Op:
     treats it as it treats any coroutine: ``create_task``, ``TaskGroup`` and anyio take it,
     ``gather``/``wait_for``/``shield``/``as_completed``/``ensure_future`` wrap it in a Task,
     and ``asyncio.wait`` takes those Tasks. ``await op`` itself makes no Task: it awaits
-    the op's Future (an op that ended as it was posted is a ``DoneOp``).
+    the op's Future (an op that ended as it was posted is a ``DoneOp``; a lone tcp op whose
+    answer the awaiting task reads, a ``PolledOp``, makes one only if it must wait).
 
     Unlike a coroutine it may be awaited again (it returns at once), and one that is never
     awaited still moves its bytes: the op was posted when it was made."""
