@@ -543,20 +543,30 @@ async def _stopped(pid: int) -> None:
     await wait_until(stopped, timeout=5, what="the target stopped")
 
 
-async def test_a_lone_put_failing_as_its_agent_closes_raises_that():
-    """A lone put whose answer its awaiting task would read, still unawaited when its agent
-    closes (the target stopped: no answer comes), fails with the close; awaiting it raises
-    that, and the drain that failed it goes on with the rest."""
-    target = await Target.start(heartbeat=5.0)  # silence is judged after 15 s: longer than this test
-    loop = asyncio.get_running_loop()
-    errors: list[dict] = []
-    loop.set_exception_handler(lambda _, context: errors.append(context))
+@asynccontextmanager
+async def _pair_to_stop():
+    """(target, agent, peer, kv, src): a tcp pair whose silence is judged only after 15 s
+    (heartbeats every 5 s), for tests that stop the target for a while; it runs again at the end."""
+    target = await Target.start(heartbeat=5.0)
     try:
         await target.alloc("kv", 1 << 20)
         async with aiohixl.Agent(token=TOKEN, transports=TCP, heartbeat_interval=5.0, heartbeat_timeout=15.0) as agent:
             peer = await agent.connect(target.address)
-            kv = await peer.region("kv")
-            src = agent.register(pattern(1 << 20, 6))
+            yield target, agent, peer, await peer.region("kv"), agent.register(pattern(1 << 20, 6))
+    finally:
+        target.proc.send_signal(signal.SIGCONT)
+        await target.aclose()
+
+
+async def test_a_lone_put_failing_as_its_agent_closes_raises_that():
+    """A lone put whose answer its awaiting task would read, still unawaited when its agent
+    closes (the target stopped: no answer comes), fails with the close; awaiting it raises
+    that, and the drain that failed it goes on with the rest."""
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    try:
+        async with _pair_to_stop() as (target, agent, peer, kv, src):
             for _ in range(4 * (POLL_SKIP + 1)):  # until a poll reads its answer: the next is polled too
                 op = peer.put(kv[:4096], src[:4096])
                 polled = hooks.polled(op)
@@ -574,8 +584,6 @@ async def test_a_lone_put_failing_as_its_agent_closes_raises_that():
             assert op.done() and engine.unknown_completions == 0
     finally:
         loop.set_exception_handler(None)
-        target.proc.send_signal(signal.SIGCONT)
-        await target.aclose()
     assert errors == []
 
 
@@ -720,25 +728,17 @@ async def test_memfd_socket_checks_credentials_and_drops_idle_connections(monkey
 
 async def test_timeout_raises_and_the_op_still_completes():
     """A stopped target answers nothing: the caller's timeout fires; once it runs again the op lands."""
-    target = await Target.start(heartbeat=5.0)  # silence is judged after 15 s: far longer than the stop
-    try:
-        await target.alloc("kv", 1 << 20)
-        async with aiohixl.Agent(token=TOKEN, transports=TCP, heartbeat_interval=5.0, heartbeat_timeout=15.0) as agent:
-            peer = await agent.connect(target.address)
-            kv = await peer.region("kv")
-            src = agent.register(pattern(1 << 20, 6))
-            target.proc.send_signal(signal.SIGSTOP)
-            await _stopped(target.proc.pid)
-            try:
-                with pytest.raises(aiohixl.TransferTimeout, match="Peer.put.*may still complete"):
-                    await peer.put(kv, src, timeout=0.2)
-                assert agent.outstanding == 1  # still accounted for
-            finally:
-                target.proc.send_signal(signal.SIGCONT)
-            await wait_until(lambda: agent.outstanding == 0, timeout=60, what="the timed-out put's completion")
-            assert await target.hash("kv", 0, 1 << 20) == sha(pattern(1 << 20, 6))
-    finally:
-        await target.aclose()
+    async with _pair_to_stop() as (target, agent, peer, kv, src):
+        target.proc.send_signal(signal.SIGSTOP)
+        await _stopped(target.proc.pid)
+        try:
+            with pytest.raises(aiohixl.TransferTimeout, match="Peer.put.*may still complete"):
+                await peer.put(kv, src, timeout=0.2)
+            assert agent.outstanding == 1  # still accounted for
+        finally:
+            target.proc.send_signal(signal.SIGCONT)
+        await wait_until(lambda: agent.outstanding == 0, timeout=60, what="the timed-out put's completion")
+        assert await target.hash("kv", 0, 1 << 20) == sha(pattern(1 << 20, 6))
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "50", None, 1_000_001])
