@@ -120,12 +120,12 @@ class Peer(metaclass=NoPublicConstructor):
         write as an RDMA WRITE WITH IMM, which the target's ``notification()``
         yields with ``.imm`` set.
 
-        Under asyncio a plain put on a path already set up is checked and posted
-        at the call (a refusal is raised there) and returns its own awaitable,
-        which asyncio's combinators take as a coroutine.
+        Under asyncio a put on a path already set up (with ``notify``, over shm) is
+        checked and posted at the call (a refusal is raised there) and returns its
+        own awaitable, which asyncio's combinators take as a coroutine.
         """
-        if timeout is None and notify is None and imm is None:
-            op = self._post_now(_PUT, remote, local, "Peer.put")
+        if timeout is None and imm is None:
+            op = self._post_now(_PUT, remote, local, "Peer.put", notify)
             if op is not None:
                 return op
         return self._transfer(lib.HX_OP_PUT, ((remote, local),), timeout, "Peer.put", imm, notify)
@@ -140,13 +140,17 @@ class Peer(metaclass=NoPublicConstructor):
                 return op
         return self._transfer(lib.HX_OP_GET, ((remote, local),), timeout, "Peer.get")
 
-    def _post_now(self, opcode: int, remote: Any, local: Any, what: str) -> Any:
+    def _post_now(self, opcode: int, remote: Any, local: Any, what: str, notify: Any = None) -> Any:
         """The op's awaitable (``backends.Op``), posted now, when nothing needs awaiting
         first: asyncio, room in the ring, the path of its region known. None otherwise (the coroutine path does it).
 
         The hot path of every single put and get: the checks of ``_check`` written out for
-        the usual arguments (slices), ``_check`` itself for anything else or to raise."""
+        the usual arguments (slices), ``_check`` itself for anything else or to raise.
+        With ``notify``, only where the path's own link carries the message once the
+        op has ended (shm's doorbell): the message goes then (``_then_note``)."""
         engine = self._engine
+        if notify is not None:
+            notify = note_bytes(notify, what)
         loop = engine.loop
         if loop is None or len(engine._ops) >= engine.capacity:
             if self._core.agent.closed:  # a closing agent took the loop away (Engine.closing)
@@ -184,14 +188,46 @@ class Peer(metaclass=NoPublicConstructor):
                 if route is None:
                     return None  # its path is set up on first use: that awaits
                 link = route[0]
+            flags = 0
+            if notify is not None:
+                if link is not core.notes:
+                    return None  # the message goes around the data's path
+                if link.ordered_notes:  # the message goes behind the data, on its connection
+                    if not core.ordered:
+                        return None
+                    flags = engine.note_next
             waiter = (
-                engine.post1(link.handle, opcode, rs, ls, what, core)  # Link.post_one, minus one call
+                engine.post1(link.handle, opcode | flags, rs, ls, what, core)  # Link.post_one, minus one call
                 if link.plain_post
-                else link.post_one(engine, opcode, rs, ls, what, core)
+                else link.post_one(engine, opcode | flags, rs, ls, what, core)
             )
+            if notify is not None:
+                return self._then_note(waiter, notify, what, flags != 0)
             if waiter is not None:
                 return waiter if type(waiter) is _PolledOp else _Op(waiter)
+        elif notify is not None:
+            return None  # the message alone: the coroutine path
         return _DoneOp()
+
+    def _then_note(self, waiter: Any, notify: bytes, what: str, behind: bool) -> Any:
+        """The awaitable of a put ``_post_now`` posted with a message: the message posted
+        ``behind`` its data on their connection, else rung now if the put has ended
+        (shm's inline copy), else sent once it has."""
+        if behind or waiter is not None:
+            waiters = [] if waiter is None else [waiter]
+            refused, left = self._note_behind(waiters, notify, what) if behind and waiters else (None, notify)
+            return self._finish(waiters, refused, left, None, what)
+        core = self._core
+        engine = self._engine
+        try:
+            note = core.notes.note(engine, notify, 0, what, core)
+        except HixlError as exc:
+            raise core.explain(exc, what) from None
+        if note is None:
+            return _DoneOp()
+        if note is engine.BUSY:
+            return self._send_note(notify, 0, None, what)  # waits for room, then sends
+        return self._finish([note], None, None, None, what)
 
     async def put_many(
         self,
@@ -266,18 +302,34 @@ class Peer(metaclass=NoPublicConstructor):
             behind = core.notes.ordered_notes and all(link is core.notes for link, _ in groups)
         refused: HixlError | None = None
         if notify is not None and behind and waiters:
-            # Behind the data on the same ordered connection: the target places
-            # the data first, and drops the message if the op was refused.
-            try:
-                note = core.notes.note(engine, notify, engine.last_op_id, what, core)
-            except HixlError as exc:  # e.g. the data already broke the path: say why, below
-                note, refused = None, exc
-            if note is not None and note is not engine.BUSY:
-                waiters.append(note)
-            notify = None if note is not engine.BUSY else notify
+            refused, notify = self._note_behind(waiters, notify, what)
+        await self._finish(waiters, refused, notify, timeout, what)
+
+    def _note_behind(self, waiters: list[Any], notify: bytes, what: str) -> tuple[HixlError | None, bytes | None]:
+        """Post ``notify`` behind the op just posted, on its ordered connection: the target
+        places the data first, and drops the message if the op was refused. Its waiter
+        joins ``waiters``. Returns the error that refused the message (raised once the op
+        has ended), and the message if it is still to send (the receiver had no room)."""
+        core = self._core
+        engine = self._engine
+        try:
+            note = core.notes.note(engine, notify, engine.last_op_id, what, core)
+        except HixlError as exc:  # e.g. the data already broke the path: say why once it ended
+            return exc, None
+        if note is engine.BUSY:
+            return None, notify
+        if note is not None:
+            waiters.append(note)
+        return None, None
+
+    async def _finish(
+        self, waiters: list[Any], refused: HixlError | None, notify: bytes | None, timeout: float | None, what: str
+    ) -> None:
+        """Wait for the ops posted (``waiters``); raise ``refused``; then send ``notify``."""
+        core = self._core
         if waiters:
             try:
-                await engine.wait_all(waiters, timeout, what)
+                await self._engine.wait_all(waiters, timeout, what)
             except HixlError as exc:
                 raise core.explain(exc, what) from None
             if refused is not None:

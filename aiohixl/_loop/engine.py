@@ -27,6 +27,8 @@ _flush = lib.hx_peer_flush
 _await = lib.hx_peer_await
 _HOLD = lib.HX_OP_HOLD
 _POLL = lib.HX_OP_POLL
+_post_note = lib.hx_peer_note
+_BUSY = lib.HX_E_BUSY
 
 __all__ = ["Engine"]
 
@@ -298,21 +300,30 @@ class Engine:
             # ring now, not a loop iteration later (the flush signalled none of it).
             self.drain(False)
 
-    BUSY = object()  # post_with(busy_ok=True): the receiver has no room yet
+    BUSY = object()  # post_note: the receiver has no room yet
 
-    def post_with(
-        self, submit: Any, keep: tuple[object, ...], what: str, owner: OpOwner | None = None, busy_ok: bool = False
-    ) -> Any:
+    def post_with(self, submit: Any, keep: tuple[object, ...], what: str, owner: OpOwner | None = None) -> Any:
         """Like post(), through a transport's own native call ``submit(op_id) -> status``."""
         op_id = self.last_op_id = self._next_id
         self._next_id += 1
         rc = submit(op_id)
-        if busy_ok and rc == lib.HX_E_BUSY:
-            return self.BUSY
         if rc == 1:  # HX_DONE_INLINE
             self.completed += 1
             return None
         return self._track(op_id, rc, keep, what, owner)
+
+    def post_note(self, handle: Any, dep: int, data: bytes, what: str, owner: OpOwner | None) -> Any:
+        """A notification through peer ``handle`` (after op ``dep`` when not 0): its waiter,
+        None when it went in at once, or ``BUSY`` when the receiving queue has no room."""
+        op_id = self.last_op_id = self._next_id
+        self._next_id += 1
+        rc = _post_note(handle, op_id, dep, data, len(data))
+        if rc == 1:  # HX_DONE_INLINE
+            self.completed += 1
+            return None
+        if rc == _BUSY:
+            return self.BUSY
+        return self._track(op_id, rc, (), what, owner)
 
     def _track(self, op_id: int, rc: int, keep: tuple[object, ...], what: str, owner: OpOwner | None) -> Any:
         if rc < 0:

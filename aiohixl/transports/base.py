@@ -225,9 +225,7 @@ class Link:
     def note(self, engine: Engine, data: bytes, dep: int, what: str, owner: OpOwner) -> Any:
         """Post a notification (after op ``dep`` when not 0): its waiter, None when it is
         already delivered, or ``Engine.BUSY`` when the receiving queue has no room."""
-        return engine.post_with(
-            lambda op_id: lib.hx_peer_note(self.handle, op_id, dep, data, len(data)), (), what, owner, busy_ok=True
-        )
+        return engine.post_note(self.handle, dep, data, what, owner)
 
     def close(self) -> None:
         """Queued ops fail as closed; ops already moving bytes finish."""

@@ -81,9 +81,7 @@ class ShmLink(Link):
         assert self._channel is not None  # take_notes said yes
         if not self._detour or not engine.in_flight(self._detour):
             self._detour = 0
-            waiter = engine.post_with(
-                lambda op_id: lib.hx_peer_note(self.handle, op_id, dep, data, len(data)), (), what, owner, busy_ok=True
-            )
+            waiter = engine.post_note(self.handle, dep, data, what, owner)
             if waiter is not engine.BUSY:
                 return waiter
         # The ring is full, or notes already went around it and are not all there yet.
