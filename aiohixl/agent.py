@@ -5,7 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from ._agent.connect import connect, transport_names
@@ -159,15 +159,18 @@ class Agent:
 
     # ---- notifications ----
 
-    async def notification(self, timeout: float | None = None, *, match: bytes | None = None) -> Notification:
-        """The next notification that arrived for this agent (waits for one).
+    def notification(
+        self, timeout: float | None = None, *, match: bytes | None = None
+    ) -> Coroutine[Any, Any, Notification]:
+        """The next notification that arrived for this agent (waits for one): a coroutine.
 
         ``match``: the first one whose data equals it, leaving the others queued.
         ``timeout``: NotificationTimeout after that many seconds. On a closed
         agent, ClosedError.
         """
-        self._core.check_open("Agent.notification")
-        return await self._core.inbox.get(timeout, match, "Agent.notification")
+        # The inbox's coroutine itself, not one around it: a waiting task resumes through one
+        # frame fewer, and the first thing after a wake-up is the first thing that is cold.
+        return self._core.inbox.get(timeout, match, "Agent.notification")
 
     async def notifications(self) -> AsyncIterator[Notification]:
         """Every notification, in arrival order, until the agent closes."""

@@ -16,7 +16,7 @@ import collections
 import math
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
@@ -32,6 +32,7 @@ _BATCH = 64
 _IMM = int(lib.HX_NOTE_IMM)
 _drain_notes = lib.hx_agent_drain_notes  # one lookup, not one per pull
 _notes_ready = lib.hx_agent_notes_ready
+_UNKNOWN = (None, None)  # a sender whose session is no longer known
 _get_ident = threading.get_ident  # asyncio.get_running_loop() makes a getpid() system call (3.11)
 
 
@@ -84,11 +85,12 @@ class Inbox:
     """The agent's notifications: pulled from the native queue, handed to waiters in order."""
 
     def __init__(
-        self, engine: Engine, capacity: int, senders: Callable[[int], tuple[str, bytes] | tuple[None, None]]
+        self, engine: Engine, capacity: int, names: Mapping[int, tuple[str, bytes]], own: tuple[str, bytes]
     ) -> None:
         self.engine = engine
         self.capacity = capacity
-        self.senders = senders  # native source (session key) -> the sender's (name, agent id)
+        # The sender's (name, agent id): by session key, or ``own`` for source 0 (this agent).
+        self.names, self.own = names, own
         self._queue: collections.deque[Notification] = collections.deque()
         # [waiter, match, notification, deadline (asyncio: loop time, or None), timeout, what]
         self._waiters: list[list[Any]] = []
@@ -113,7 +115,7 @@ class Inbox:
         if native is None or not (woken or self._short or _notes_ready(native)):
             return
         moved = 0
-        queue, buf, senders = self._queue, self._buf, self.senders
+        queue, buf, names = self._queue, self._buf, self.names
         while True:
             room = self.capacity - len(queue)
             # With no room it takes nothing but still reads the doorbells' wake-ups (shm):
@@ -121,8 +123,9 @@ class Inbox:
             n = _drain_notes(native, buf, min(_BATCH, room))
             for i in range(n):
                 e = buf[i]
+                source = e.source
+                name, agent_id = names.get(source) or (self.own if source == 0 else _UNKNOWN)
                 imm = int(e.imm) if e.flags & _IMM else None
-                name, agent_id = senders(e.source)
                 queue.append(Notification(ffi.buffer(e.data, e.len)[:], imm, name, e.nbytes, agent_id))
             moved += n
             if n < _BATCH or n == room:
@@ -144,21 +147,22 @@ class Inbox:
         return None
 
     def _serve(self) -> None:
-        # Run by the loop (a drain, or get()/room() checked already): waiters mean it is attached.
-        backend = self.engine.backend
-        assert backend is not None
-        for entry in list(self._waiters):
-            waiter, match = entry[0], entry[1]
-            if not backend.pending(waiter):
-                self._waiters.remove(entry)  # its task was cancelled: it takes nothing
+        # Run by the loop (a drain, or get()/room() checked already). A waiter is an asyncio
+        # Future or a trio one that answers the same two calls (backends._TrioWaiter).
+        waiters, queue, i = self._waiters, self._queue, 0
+        while i < len(waiters) and queue:
+            entry = waiters[i]
+            waiter = entry[0]
+            if waiter.done():  # its task was cancelled, or its wait timed out: it takes nothing
+                del waiters[i]
                 continue
-            note = self._take(match)
-            if note is not None:
-                entry[2] = note
-                self._waiters.remove(entry)
-                backend.resolve(waiter, None)
-            if not self._queue:
-                break
+            note = queue.popleft() if entry[1] is None else self._take(entry[1])
+            if note is None:
+                i += 1
+                continue
+            entry[2] = note
+            del waiters[i]
+            waiter.set_result(None)
         if self._short and len(self._queue) < self.capacity and lib.hx_agent_notes_pending(self.engine.native):
             self.pull()  # room made: more may wait natively
 

@@ -46,7 +46,7 @@ class AgentCore:
         self.threads = copy_threads
         # senders' (name, agent id), by session key
         self._names: collections.OrderedDict[int, tuple[str, bytes]] = collections.OrderedDict()
-        self.inbox = Inbox(self.engine, max_notifications, self._sender)
+        self.inbox = Inbox(self.engine, max_notifications, self._names, (self.name, self.id))
         self.engine.on_wake = self.inbox.pull
         self.transports = tr.make(self, allowed, {**transport_options, "heartbeat": heartbeat})
         self.regions = Regions(self)
@@ -111,9 +111,6 @@ class AgentCore:
             raise OSError(exc.errno, f"Agent.start: cannot listen on {host}:{port}: {exc.strerror}") from None
         self.listener = listener
 
-    def _sender(self, source: int) -> tuple[str, bytes] | tuple[None, None]:
-        return (self.name, self.id) if source == 0 else self._names.get(source, (None, None))
-
     def _on_session(self, sid: bytes, name: str, agent_id: bytes) -> None:
         self._names[int.from_bytes(sid[:8], "little")] = (name, agent_id)
         while len(self._names) > 4096:  # names of ended sessions go, oldest first
@@ -176,6 +173,7 @@ class AgentCore:
         if self.closed:
             return
         self.closed = True
+        self.inbox.closed = True
         warnings.warn(
             f"unclosed {agent!r}: close it with 'await agent.aclose()'", ResourceWarning, stacklevel=3, source=agent
         )

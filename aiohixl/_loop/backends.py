@@ -23,10 +23,6 @@ class Backend:
     def unwatch(self, fd: int) -> None: ...
     def new_waiter(self) -> Any: ...
     def resolve(self, waiter: Any, exc: BaseException | None) -> None: ...
-    def pending(self, waiter: Any) -> bool:
-        """Whether someone still waits on it (not resolved, not cancelled)."""
-        raise NotImplementedError
-
     async def wait(self, waiter: Any) -> None: ...
     def spawn(self, fn: Callable[[], Any], name: str) -> None:
         """Run ``fn()`` in the background; it must catch its own exceptions."""
@@ -244,9 +240,6 @@ class AsyncioBackend(Backend):
         else:
             waiter.set_exception(exc)
 
-    def pending(self, waiter: asyncio.Future) -> bool:
-        return not waiter.done()
-
     async def wait(self, waiter: asyncio.Future) -> None:
         await waiter
 
@@ -278,12 +271,22 @@ class AsyncioBackend(Backend):
 
 
 class _TrioWaiter:
+    """A trio task's waiter. ``done()`` and ``set_result()`` are an asyncio Future's, so a hot
+    path (Inbox._serve) calls the waiter itself, with no backend call in between."""
+
     __slots__ = ("event", "exc", "abandoned")
 
     def __init__(self, event: Any) -> None:
         self.event = event
         self.exc: BaseException | None = None
         self.abandoned = False
+
+    def done(self) -> bool:
+        """Resolved, or its task stopped waiting (cancelled): nobody waits on it."""
+        return self.event.is_set() or self.abandoned
+
+    def set_result(self, _: None) -> None:
+        self.event.set()
 
 
 class TrioBackend(Backend):
@@ -333,9 +336,6 @@ class TrioBackend(Backend):
         if not waiter.event.is_set():
             waiter.exc = exc
             waiter.event.set()
-
-    def pending(self, waiter: _TrioWaiter) -> bool:
-        return not waiter.event.is_set() and not waiter.abandoned
 
     async def wait(self, waiter: _TrioWaiter) -> None:
         try:
