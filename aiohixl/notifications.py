@@ -168,7 +168,7 @@ class Inbox:
 
     async def get(self, timeout: float | None, match: Any, what: str) -> Notification:
         if self.closed:
-            raise ClosedError(f"{what}: agent is closed")
+            raise ClosedError(f"{what}: agent {self.own[0]!r} is closed")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
             raise InvalidArgument(f"{what}: timeout must be a number of seconds or None, not {type(timeout).__name__}")
         if match is not None:

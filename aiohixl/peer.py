@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from asyncio import _get_running_loop
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Coroutine, Iterable
 from functools import partial
 from threading import get_ident as _get_ident
 from typing import Any, Union
@@ -61,6 +61,7 @@ class Peer(metaclass=NoPublicConstructor):
         self._withdrawn = core.withdrawn
         self._routes = core.routes
         self._one_route = core.one_route
+        self._notes_waiting = 0  # put(notify=) tasks whose message is not sent yet (_as_op)
 
     @property
     def broken(self) -> HixlError | None:
@@ -120,9 +121,10 @@ class Peer(metaclass=NoPublicConstructor):
         write as an RDMA WRITE WITH IMM, which the target's ``notification()``
         yields with ``.imm`` set.
 
-        Under asyncio a put on a path already set up (with ``notify``, over shm) is
-        checked and posted at the call (a refusal is raised there) and returns its
-        own awaitable, which asyncio's combinators take as a coroutine.
+        Under asyncio a put on a path already set up is checked and posted at the call
+        (a refusal is raised there) and returns its own awaitable, which asyncio's
+        combinators take as a coroutine. So is one with ``notify`` where the message
+        goes the data's own way (shm's doorbell; tcp or verbs as the peer's one path).
         """
         if timeout is None and imm is None:
             op = self._post_now(_PUT, remote, local, "Peer.put", notify)
@@ -146,13 +148,15 @@ class Peer(metaclass=NoPublicConstructor):
 
         The hot path of every single put and get: the checks of ``_check`` written out for
         the usual arguments (slices), ``_check`` itself for anything else or to raise.
-        With ``notify``, only where the path's own link carries the message once the
-        op has ended (shm's doorbell): the message goes then (``_then_note``)."""
+        With ``notify``, only where the message can go the data's own way: behind it on
+        the peer's one ordered connection (tcp, verbs), or by shm's doorbell once the copy
+        has ended (``_then_note``)."""
         engine = self._engine
         if notify is not None:
             notify = note_bytes(notify, what)
         loop = engine.loop
-        if loop is None or len(engine._ops) >= engine.capacity:
+        # A message is an op of its own: room for two (the ring must never overflow).
+        if loop is None or len(engine._ops) + (notify is not None) >= engine.capacity:
             if self._core.agent.closed:  # a closing agent took the loop away (Engine.closing)
                 self._check_open(what)  # refused at the call, as ever
             return None
@@ -188,21 +192,22 @@ class Peer(metaclass=NoPublicConstructor):
                 if route is None:
                     return None  # its path is set up on first use: that awaits
                 link = route[0]
-            flags = 0
+            flags, behind = 0, False
             if notify is not None:
-                if link is not core.notes:
-                    return None  # the message goes around the data's path
-                if link.ordered_notes:  # the message goes behind the data, on its connection
-                    if not core.ordered:
+                # Not around the data's path, nor ahead of a message still waiting for its put.
+                if link is not core.notes or self._notes_waiting:
+                    return None
+                if link.ordered_notes:  # behind the data, on its connection
+                    if not core.ordered or engine.capacity < 2:
                         return None
-                    flags = engine.note_next
+                    flags, behind = engine.note_next, True
             waiter = (
                 engine.post1(link.handle, opcode | flags, rs, ls, what, core)  # Link.post_one, minus one call
                 if link.plain_post
                 else link.post_one(engine, opcode | flags, rs, ls, what, core)
             )
             if notify is not None:
-                return self._then_note(waiter, notify, what, flags != 0)
+                return self._then_note(waiter, notify, what, behind)
             if waiter is not None:
                 return waiter if type(waiter) is _PolledOp else _Op(waiter)
         elif notify is not None:
@@ -211,23 +216,38 @@ class Peer(metaclass=NoPublicConstructor):
 
     def _then_note(self, waiter: Any, notify: bytes, what: str, behind: bool) -> Any:
         """The awaitable of a put ``_post_now`` posted with a message: the message posted
-        ``behind`` its data on their connection, else rung now if the put has ended
-        (shm's inline copy), else sent once it has."""
-        if behind or waiter is not None:
-            waiters = [] if waiter is None else [waiter]
-            refused, left = self._note_behind(waiters, notify, what) if behind and waiters else (None, notify)
-            return self._finish(waiters, refused, left, None, what)
-        core = self._core
+        ``behind`` its data on their connection; else rung now if the copy has ended (shm),
+        else sent once it has, by a task of its own."""
         engine = self._engine
-        try:
+        if behind:
+            waiters = [] if waiter is None else [waiter]
+            refused, left = self._note_behind(waiters, notify, what) if waiters else (None, notify)
+            return self._as_op(self._finish(waiters, refused, left, None, what), left is not None)
+        if waiter is None:
+            core = self._core
             note = core.notes.note(engine, notify, 0, what, core)
-        except HixlError as exc:
-            raise core.explain(exc, what) from None
-        if note is None:
-            return _DoneOp()
-        if note is engine.BUSY:
-            return self._send_note(notify, 0, None, what)  # waits for room, then sends
-        return self._finish([note], None, None, None, what)
+            if note is None:
+                return _DoneOp()
+            if note is not engine.BUSY:
+                return self._as_op(self._finish([note], None, None, None, what), False)
+        # The copy is still going, or the receiver has no room yet (loopback).
+        return self._as_op(self._finish([] if waiter is None else [waiter], None, notify, None, what), True)
+
+    def _as_op(self, steps: Coroutine[Any, Any, None], holds: bool) -> Any:
+        """``steps`` as an op's awaitable: a Task, which runs to its end (the message sent)
+        whether or not the op is awaited. ``holds``: a message is still to send; until it
+        is, this peer's later ``put(notify=)`` take the coroutine path, so that they cannot
+        overtake it (awaited one after the other, messages arrive in that order)."""
+        if holds:
+            self._notes_waiting += 1
+            steps = self._then_release(steps)
+        return _Op(self._engine.loop.create_task(steps))
+
+    async def _then_release(self, steps: Coroutine[Any, Any, None]) -> None:
+        try:
+            await steps
+        finally:
+            self._notes_waiting -= 1
 
     async def put_many(
         self,
@@ -277,8 +297,9 @@ class Peer(metaclass=NoPublicConstructor):
         core = self._core
         engine = self._engine
         engine.attach(what)  # the agent's own loop only: nothing may be posted from another
-        if engine.full:
-            await engine.admit(what)
+        room = 1 + (notify is not None)  # a message is an op of its own
+        if len(engine._ops) + room > engine.capacity:
+            await engine.admit(what, room)
             self._check_open(what)
         checked = self._checked(opcode, pairs, what)
         if not checked:
@@ -288,7 +309,8 @@ class Peer(metaclass=NoPublicConstructor):
         if imm is not None and not 0 <= imm <= 0xFFFFFFFF:
             raise InvalidArgument(f"{what}: imm={imm} is not a 32-bit unsigned value")
         if self._one_route is not None and imm is None:
-            behind = core.ordered  # the message can follow this op's data on its link
+            # The message can follow this op's data on its link (unless the ring holds one op).
+            behind = core.ordered and engine.capacity > 1
             # Then the op is held for the message (tcp), to go out and be answered with it.
             flags = engine.note_next if notify is not None and behind and len(checked) == 1 else 0
             waiters = self._one_route.post(engine, opcode | flags, checked, what, core, None)
@@ -299,7 +321,7 @@ class Peer(metaclass=NoPublicConstructor):
                 if imm is not None and not link.carries_imm:
                     raise InvalidArgument(f"{what}: imm= needs the verbs transport; this op goes over {path}")
                 waiters += link.post(engine, opcode, group, what, core, imm)
-            behind = core.notes.ordered_notes and all(link is core.notes for link, _ in groups)
+            behind = core.notes.ordered_notes and engine.capacity > 1 and all(link is core.notes for link, _ in groups)
         refused: HixlError | None = None
         if notify is not None and behind and waiters:
             refused, notify = self._note_behind(waiters, notify, what)

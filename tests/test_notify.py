@@ -104,6 +104,57 @@ async def test_a_put_with_its_message_is_posted_at_the_call(path):
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_a_put_never_awaited_moves_its_bytes_and_then_its_message(path):
+    """An op never awaited still moves its bytes (docs/api.md); with notify= its message goes
+    too, after them, also where the copy outlasts the call (shm: over 1 MiB)."""
+    if path["target"] is None:
+        pytest.skip("loopback: the target is this agent")
+    peer, kv, src, src_arr = path["peer"], path["kv"], path["src"], path["src_arr"]
+    n = SPACE // 4
+    await peer.put(kv[:4096], src[:4096])  # the path is set up
+    check = asyncio.create_task(path["target"].cmd(op="take_note", timeout=30))
+    peer.put(kv[:n], src[n : 2 * n], notify=f"kv:0:{n}:{sha(src_arr[n : 2 * n])}".encode())  # dropped
+    assert (await check)["in_place"]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_messages_of_puts_awaited_in_turn_arrive_in_that_order(path):
+    """A message still waiting for its put's copy holds the peer's next put(notify=) back:
+    a later put that ends at once (shm's inline copy) cannot ring ahead of it."""
+    if path["target"] is None:
+        pytest.skip("loopback: the target is this agent")
+    peer, kv, src = path["peer"], path["kv"], path["src"]
+    big = SPACE // 4
+    collect = asyncio.create_task(path["target"].cmd(op="collect", n=2))
+    first = peer.put(kv[:big], src[:big], notify=b"first")
+    second = peer.put(kv[big : big + 4096], src[big : big + 4096], notify=b"second")
+    await first
+    await second
+    assert [data for _, data in (await collect)["notes"]] == ["first", "second"]
+
+
+@not_in_vm
+async def test_a_put_with_its_message_through_a_ring_of_one():
+    """max_inflight=1: a put and the message behind it are two ops, more than the completion
+    ring holds; the message waits for the put instead (posting both deadlocked the loop in
+    tcp's flush, which waited for room in the ring that only that loop drains)."""
+    target = await Target.start()
+    try:
+        await target.alloc("kv", 1 << 20)
+        async with aiohixl.Agent("ring-of-one", token=TOKEN, transports=("tcp",), max_inflight=1) as agent:
+            src_arr = pattern(4096, 3)
+            src = agent.register(src_arr)
+            peer = await agent.connect(target.address)
+            kv = await peer.region("kv")
+            for _ in range(20):
+                check = asyncio.create_task(target.cmd(op="take_note", timeout=30))
+                await peer.put(kv[:4096], src[:4096], notify=f"kv:0:4096:{sha(src_arr)}".encode())
+                assert (await check)["in_place"]
+    finally:
+        await target.aclose()
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_a_refused_op_sends_no_notification(path):
     peer, kv, src = path["peer"], path["kv"], path["src"]
     import dataclasses

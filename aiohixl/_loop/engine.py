@@ -177,10 +177,12 @@ class Engine:
         if self.backend is not None and not self.backend.is_current():
             self.attach(what)  # raises WrongEventLoop
 
-    async def admit(self, what: str = "aiohixl") -> None:
-        """Wait for room in the completion ring: completions are never dropped."""
+    async def admit(self, what: str = "aiohixl", room: int = 1) -> None:
+        """Wait for room for ``room`` ops in the completion ring (at most its capacity):
+        completions are never dropped."""
         backend = self.attach(what)
-        while len(self._ops) >= self.capacity:
+        room = min(room, self.capacity)
+        while len(self._ops) + room > self.capacity:
             waiter = backend.new_waiter()
             self._slot_waiters.append(waiter)
             await backend.wait(waiter)
