@@ -197,8 +197,8 @@ class Peer(metaclass=NoPublicConstructor):
                 # Not around the data's path, nor ahead of a message still waiting for its put.
                 if link is not core.notes or self._notes_waiting:
                     return None
-                if link.ordered_notes:  # behind the data, on its connection
-                    if not core.ordered or engine.capacity < 2:
+                if link.ordered_notes:  # behind the data (a ring of one failed the room check above)
+                    if not core.ordered:
                         return None
                     flags, behind = engine.note_next, True
             waiter = (
