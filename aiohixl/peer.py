@@ -317,9 +317,15 @@ class Peer(metaclass=NoPublicConstructor):
         else:
             waiters = []
             groups = await self._group(checked, what)
-            for (link, path), group in groups.items():
+            for link, path in groups:
                 if imm is not None and not link.carries_imm:
                     raise InvalidArgument(f"{what}: imm= needs the verbs transport; this op goes over {path}")
+            for (link, _), group in groups.items():
+                # One op per group, each with room of its own: the check above counted one,
+                # and _group may have awaited while other tasks posted.
+                if len(engine._ops) + room > engine.capacity:
+                    await engine.admit(what, room)
+                    self._check_open(what)
                 waiters += link.post(engine, opcode, group, what, core, imm)
             behind = core.notes.ordered_notes and engine.capacity > 1 and all(link is core.notes for link, _ in groups)
         refused: HixlError | None = None

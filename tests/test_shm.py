@@ -62,6 +62,43 @@ async def test_put_many_across_both_paths(pair):
     assert await pair["target"].hash("memfd", 100 << 20, 1) == sha(src_arr[5:6])
 
 
+class _MostHeld(dict):
+    """An engine's record of ops outstanding that remembers how many it ever held."""
+
+    most = 0
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.most = max(self.most, len(self))
+
+
+async def test_put_many_across_both_paths_never_holds_more_ops_than_the_ring():
+    """Each path's group is an op of its own: a ring of one takes them in turn (posted
+    together they overfilled it, and a completion pushed into a full ring waits: on the
+    loop's own thread, in tcp's flush, for ever)."""
+    target = await Target.start()
+    try:
+        await target.alloc("memfd", 8 << 20)
+        await target.alloc("user", 8 << 20, kind="register")
+        async with aiohixl.Agent("ring-of-one", token=TOKEN, max_inflight=1) as agent:
+            engine = hooks.engine(agent)
+            engine._ops = held = _MostHeld(engine._ops)
+            src_arr = pattern(8 << 20, 5)
+            src = agent.register(src_arr)
+            peer = await agent.connect(target.address)
+            r = {n: await peer.region(n) for n in ("memfd", "user")}
+            for i in range(4):
+                lo, hi = i << 21, (i + 1) << 21  # 2 MiB each way: copied on the pool, not inline
+                check = asyncio.create_task(target.cmd(op="take_note", timeout=30))
+                pairs = [(r["memfd"][lo:hi], src[lo:hi]), (r["user"][lo:hi], src[lo:hi])]
+                await peer.put_many(pairs, notify=f"memfd:{lo}:{hi - lo}:{sha(src_arr[lo:hi])}".encode())
+                assert (await check)["in_place"]
+                assert await target.hash("user", lo, hi - lo) == sha(src_arr[lo:hi])
+            assert held.most == 1
+    finally:
+        await target.aclose()
+
+
 @pytest.mark.asyncio(loop_scope="module")
 async def test_cross_memory_attach_at_every_alignment(pair):
     # Ends 1-63 bytes apart modulo a page go through a bounce buffer in 128 KiB
