@@ -108,6 +108,14 @@ def test_bench_quick_writes_json(tmp_path):
     assert "the same through asyncio" in proc.stdout and "the asyncio one-way wake-up" in proc.stdout
     note = data["transports"]["tcp"]["notify"]["4 KiB"]
     assert note["beyond_over_wake"] is not None and note["beyond_over_asyncio_wake"] is not None
+    # Rows whose ratio is to a limit are also timed beside it, in alternating rounds.
+    for name in ("loopback", "tcp"):
+        side = data["transports"][name]["notify"]["4 KiB"]["beside"]
+        assert side["rounds"] >= 2 and 0 < side["put_median_us"] < side["median_us"] and side["asyncio_wake_us"] > 0
+        assert side["over_put"] == side["median_us"] / side["put_median_us"]
+    side = data["transports"]["tcp"]["rtt_beside"]
+    assert 0 < side["rtt_us"] and side["ratio"] == side["put_us"] / side["rtt_us"]
+    assert "against the blocking C round trip timed beside it" in proc.stdout and "timed beside, " in proc.stdout
     if shutil.which("iperf3"):
         assert b["iperf3"]["gbps"] > 0 and isinstance(b["iperf3"]["agrees"], bool)
         assert "iperf3" in proc.stdout

@@ -19,6 +19,7 @@ import asyncio
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import statistics
 import sys
@@ -366,6 +367,38 @@ async def latency(peer: Any, op: str, remote: Any, local: Any, size: int, ops: i
     return {"median_us": statistics.median(samples) * 1e6, "p99_us": samples[int(len(samples) * 0.99)] * 1e6}
 
 
+async def rtt_beside(peer: Any, remote: Any, local: Any, size: int, ops: int, seconds: float) -> dict[str, float]:
+    """The put of ``size`` and the blocking C round trip (a request of the same size and a
+    1-byte reply) timed in alternating rounds, each keeping its best median: their ratio is
+    not the machine's drift between the baselines, timed first, and this path."""
+    best_put = best_rtt = math.inf
+    for _ in range(ROUNDS):
+        best_rtt = min(best_rtt, baselines.tcp_rtt_us(seconds, False, size)["median"])
+        best_put = min(best_put, (await latency(peer, "put", remote, local, size, ops))["median_us"])
+    return {"put_us": best_put, "rtt_us": best_rtt, "ratio": best_put / best_rtt, "rounds": ROUNDS}
+
+
+async def notify_beside(
+    agent: Any, peer: Any, target: Any, remote: Any, local: Any, size: int, ops: int, seconds: float
+) -> dict[str, float]:
+    """``put(notify=)`` -> ``notification()``, the put alone and the asyncio one-way wake-up
+    (``wake_floor``) timed in alternating rounds, each keeping its best median: the ratios of
+    the notify rows, free of the machine's drift between the baselines and this path."""
+    note = put = floor = math.inf
+    for _ in range(ROUNDS):
+        floor = min(floor, baselines.asyncio_wake_rtt_us(seconds)["median"] / 2)
+        put = min(put, (await latency(peer, "put", remote, local, size, ops))["median_us"])
+        note = min(note, (await notify_latency(agent, peer, target, remote, local, size, ops))["median_us"])
+    return {
+        "median_us": note,
+        "put_median_us": put,
+        "asyncio_wake_us": floor,
+        "beyond_over_asyncio_wake": (note - put) / floor,
+        "over_put": note / put,
+        "rounds": ROUNDS,
+    }
+
+
 async def user_path_latency(peer: Any, remote: Any, local: Any, size: int, ops: int) -> dict[str, float]:
     """A put as a user writes it, ``peer.put(kv[a:b], cache[c:d])``: both slices made per op,
     over 8 ranges in turn. Timed in rounds alternating with the presliced put of the same
@@ -516,12 +549,21 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
         out["latency"][f"put {_fmt_size(size)} (slices per op)"] = await user_path_latency(
             peer, remote, local, size, plan.lat_ops
         )
+        if name == "tcp":
+            out["rtt_beside"] = await rtt_beside(
+                peer, remote, local, baselines.RTT_REQUEST, plan.lat_ops // ROUNDS, plan.rtt_seconds / 2
+            )
+            progress.step(f"{name} put latency beside the C round trip")
         out["notify"] = {}
         for size in (4 * KiB, 1 * MiB):
             ops = plan.lat_ops // 5 if size > 64 * KiB else plan.lat_ops
             note = await notify_latency(agent, peer, target, remote, local, size, ops)
             put = out["latency"].get(f"put {_fmt_size(size)}") or await latency(peer, "put", remote, local, size, ops)
-            out["notify"][_fmt_size(size)] = {**note, "put_median_us": put["median_us"]}
+            out["notify"][_fmt_size(size)] = timed = {**note, "put_median_us": put["median_us"]}
+            if size == 4 * KiB:
+                timed["beside"] = await notify_beside(
+                    agent, peer, target, remote, local, size, ops // ROUNDS, plan.rtt_seconds / 2
+                )
             progress.step(f"{name} notification latency {_fmt_size(size)}")
         for size in plan.bw_sizes:
             depth = plan.inflight if size * plan.inflight <= max_size else max(1, max_size // size)
@@ -875,6 +917,13 @@ def render(r: Results) -> str:
                 if default:
                     extra = f"   ({v['median_us'] / default['median_us']:.2f}x the default)"
             lines.append(f"  {key:<14} {v['median_us']:8.1f} us {v['p99_us']:8.1f} us{extra}")
+        side = t.get("rtt_beside")
+        if side:
+            lines.append(
+                f"  put {_fmt_size(baselines.RTT_REQUEST)} against the blocking C round trip timed beside it,"
+                f" {side['rounds']} alternating rounds (the best median of each):"
+                f" {side['put_us']:.1f} us / {side['rtt_us']:.1f} us = {side['ratio']:.2f}x"
+            )
         lines.append(
             "  bandwidth (put)    1 in flight    1 at a time over N   N in flight    N/1 over N   vs its physical limit"
         )
@@ -956,6 +1005,14 @@ def render(r: Results) -> str:
                 f"  put(notify=) {size:>7} -> notification() at the target: median {v['median_us']:8.1f} us"
                 f"  (awaited put alone {v['put_median_us']:.1f} us{limit})"
             )
+            side = v.get("beside")
+            if side:
+                lines.append(
+                    f"    timed beside, {side['rounds']} alternating rounds (the best of each):"
+                    f" {side['median_us']:.1f} us, the put alone {side['put_median_us']:.1f} us"
+                    f" ({side['over_put']:.2f}x), the asyncio one-way wake-up {side['asyncio_wake_us']:.1f} us:"
+                    f" beyond the put {side['beyond_over_asyncio_wake']:.2f}x it"
+                )
     for name, why in r.skipped.items():
         lines += ["", f"{name}: not measured: {why}"]
     if r.transports:
