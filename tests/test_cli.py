@@ -114,8 +114,10 @@ def test_bench_quick_writes_json(tmp_path):
         assert side["rounds"] >= 2 and 0 < side["put_median_us"] < side["median_us"] and side["asyncio_wake_us"] > 0
         assert side["over_put"] == side["median_us"] / side["put_median_us"]
     side = data["transports"]["tcp"]["rtt_beside"]
-    assert 0 < side["rtt_us"] and side["ratio"] == side["put_us"] / side["rtt_us"]
+    assert side["rtt_us"] > 0 and side["ratio"] == side["put_us"] / side["rtt_us"]
     assert "against the blocking C round trip timed beside it" in proc.stdout and "timed beside, " in proc.stdout
+    assert all(row["stream_beside_gbps"] > 0 for row in data["transports"]["tcp"]["bandwidth"].values())
+    assert "against the blocking stream timed in the same" in proc.stdout
     if shutil.which("iperf3"):
         assert b["iperf3"]["gbps"] > 0 and isinstance(b["iperf3"]["agrees"], bool)
         assert "iperf3" in proc.stdout
