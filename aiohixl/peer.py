@@ -270,13 +270,9 @@ class Peer(metaclass=NoPublicConstructor):
         what = "Peer.notify"
         data = note_bytes(data, what, "data")
         self._check_open(what)
-        engine = self._engine
-        if engine.full:
-            await engine.admit()
-            self._check_open(what)
         if not self._core.ordered:
             await self._fence()  # earlier ops travel other ways: wait until they landed
-        await self._send_note(data, 0, timeout, what)
+        await self._send_note(data, 0, timeout, what)  # room for it in the ring first
 
     async def get_many(self, pairs: Iterable[tuple[LocalRef, RemoteRef]], *, timeout: float | None = None) -> None:
         """Many gets, ``(local, remote)`` pairs, in one native submission and one awaitable."""
@@ -320,14 +316,19 @@ class Peer(metaclass=NoPublicConstructor):
             for link, path in groups:
                 if imm is not None and not link.carries_imm:
                     raise InvalidArgument(f"{what}: imm= needs the verbs transport; this op goes over {path}")
-            for (link, _), group in groups.items():
-                # One op per group, each with room of its own: the check above counted one,
-                # and _group may have awaited while other tasks posted.
-                if len(engine._ops) + room > engine.capacity:
+            behind = core.notes.ordered_notes and engine.capacity > 1 and all(link is core.notes for link, _ in groups)
+            # An op per group, and the message one more if it goes behind them: the check above
+            # counted one group (and _group may have awaited). Room for all of them at once
+            # where the ring holds that many, so that nothing is posted before a wait that may
+            # raise; a smaller ring takes them in turn.
+            n, note_room = len(groups), int(notify is not None and behind)
+            at_once = n + note_room <= engine.capacity
+            for i, ((link, _), group) in enumerate(groups.items()):
+                room = (n + note_room if i == 0 else 0) if at_once else 1 + (note_room if i == n - 1 else 0)
+                if room and len(engine._ops) + room > engine.capacity:
                     await engine.admit(what, room)
                     self._check_open(what)
                 waiters += link.post(engine, opcode, group, what, core, imm)
-            behind = core.notes.ordered_notes and engine.capacity > 1 and all(link is core.notes for link, _ in groups)
         refused: HixlError | None = None
         if notify is not None and behind and waiters:
             refused, notify = self._note_behind(waiters, notify, what)
@@ -369,6 +370,8 @@ class Peer(metaclass=NoPublicConstructor):
         core = self._core
         engine = self._engine
         while True:
+            if engine.full:  # a message is an op of its own (where it goes through the ring)
+                await engine.admit(what)
             self._check_open(what)
             waiter = core.notes.note(engine, data, dep, what, core)
             if waiter is not engine.BUSY:

@@ -73,9 +73,9 @@ class _MostHeld(dict):
 
 
 async def test_put_many_across_both_paths_never_holds_more_ops_than_the_ring():
-    """Each path's group is an op of its own: a ring of one takes them in turn (posted
-    together they overfilled it, and a completion pushed into a full ring waits: on the
-    loop's own thread, in tcp's flush, for ever)."""
+    """Each path's group is an op of its own (put_many, get_many): a ring of one takes them
+    in turn (posted together they overfilled it, and a completion pushed into a full ring
+    waits: on the loop's own thread, in tcp's flush, for ever)."""
     target = await Target.start()
     try:
         await target.alloc("memfd", 8 << 20)
@@ -85,6 +85,9 @@ async def test_put_many_across_both_paths_never_holds_more_ops_than_the_ring():
             engine._ops = held = _MostHeld(engine._ops)
             src_arr = pattern(8 << 20, 5)
             src = agent.register(src_arr)
+            half = 3 << 19  # 1.5 MiB each way: on the pool too
+            dst_arr = np.zeros(2 * half, dtype=np.uint8)
+            dst = agent.register(dst_arr)
             peer = await agent.connect(target.address)
             r = {n: await peer.region(n) for n in ("memfd", "user")}
             for i in range(4):
@@ -94,6 +97,8 @@ async def test_put_many_across_both_paths_never_holds_more_ops_than_the_ring():
                 await peer.put_many(pairs, notify=f"memfd:{lo}:{hi - lo}:{sha(src_arr[lo:hi])}".encode())
                 assert (await check)["in_place"]
                 assert await target.hash("user", lo, hi - lo) == sha(src_arr[lo:hi])
+                await peer.get_many([(dst[:half], r["memfd"][lo : lo + half]), (dst[half:], r["user"][hi - half : hi])])
+                assert sha(dst_arr) == sha(np.concatenate([src_arr[lo : lo + half], src_arr[hi - half : hi]]))
             assert held.most == 1
     finally:
         await target.aclose()

@@ -367,26 +367,32 @@ async def latency(peer: Any, op: str, remote: Any, local: Any, size: int, ops: i
     return {"median_us": statistics.median(samples) * 1e6, "p99_us": samples[int(len(samples) * 0.99)] * 1e6}
 
 
-async def rtt_beside(peer: Any, remote: Any, local: Any, size: int, ops: int, seconds: float) -> dict[str, float]:
+async def rtt_beside(peer: Any, remote: Any, local: Any, size: int, ops: int, seconds: float) -> dict[str, Any]:
     """The put of ``size`` and the blocking C round trip (a request of the same size and a
     1-byte reply) timed in alternating rounds, each keeping its best median: their ratio is
     not the machine's drift between the baselines, timed first, and this path."""
     best_put = best_rtt = math.inf
     for _ in range(ROUNDS):
-        best_rtt = min(best_rtt, baselines.tcp_rtt_us(seconds, False, size)["median"])
+        try:
+            best_rtt = min(best_rtt, baselines.tcp_rtt_us(seconds, False, size)["median"])
+        except OSError as exc:  # said, as a baseline that failed is: the rest of the run goes on
+            return {"error": str(exc)}
         best_put = min(best_put, (await latency(peer, "put", remote, local, size, ops))["median_us"])
     return {"put_us": best_put, "rtt_us": best_rtt, "ratio": best_put / best_rtt, "rounds": ROUNDS}
 
 
 async def notify_beside(
     agent: Any, peer: Any, target: Any, remote: Any, local: Any, size: int, ops: int, seconds: float
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """``put(notify=)`` -> ``notification()``, the put alone and the asyncio one-way wake-up
     (``wake_floor``) timed in alternating rounds, each keeping its best median: the ratios of
     the notify rows, free of the machine's drift between the baselines and this path."""
     note = put = floor = math.inf
     for _ in range(ROUNDS):
-        floor = min(floor, baselines.asyncio_wake_rtt_us(seconds)["median"] / 2)
+        try:
+            floor = min(floor, baselines.asyncio_wake_rtt_us(seconds)["median"] / 2)
+        except OSError as exc:  # said, as a baseline that failed is: the rest of the run goes on
+            return {"error": str(exc)}
         put = min(put, (await latency(peer, "put", remote, local, size, ops))["median_us"])
         note = min(note, (await notify_latency(agent, peer, target, remote, local, size, ops))["median_us"])
     return {
@@ -584,9 +590,14 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
                 row["stream_beside_gbps"] = 0.0
             cpu_s = elapsed = 0.0
             for _ in range(ROUNDS):
-                if name == "tcp":
-                    stream = baselines.tcp_stream(plan.stream_seconds / ROUNDS)["best"]
-                    row["stream_beside_gbps"] = max(row["stream_beside_gbps"], stream)
+                if name == "tcp" and "stream_beside_error" not in row:
+                    # Its whole round, as the puts' figure is theirs (and iperf3's is its run's).
+                    try:
+                        stream = baselines.tcp_stream(plan.bw_seconds / ROUNDS)["whole"]
+                        row["stream_beside_gbps"] = max(row["stream_beside_gbps"], stream)
+                    except OSError as exc:
+                        row["stream_beside_error"] = str(exc)
+                        row["stream_beside_gbps"] = None
                 one = await bandwidth(peer, remote, local, size, 1, plan.bw_seconds / ROUNDS, depth)
                 row["one_span_gbps"] = max(row["one_span_gbps"], one)
                 cpu0 = target.cpu() if target else 0.0
@@ -924,7 +935,9 @@ def render(r: Results) -> str:
                     extra = f"   ({v['median_us'] / default['median_us']:.2f}x the default)"
             lines.append(f"  {key:<14} {v['median_us']:8.1f} us {v['p99_us']:8.1f} us{extra}")
         side = t.get("rtt_beside")
-        if side:
+        if side and "error" in side:
+            lines.append(f"  the put beside the C round trip: not measured ({side['error']})")
+        elif side:
             lines.append(
                 f"  put {_fmt_size(baselines.RTT_REQUEST)} against the blocking C round trip timed beside it,"
                 f" {side['rounds']} alternating rounds (the best median of each):"
@@ -1019,7 +1032,9 @@ def render(r: Results) -> str:
                 f"  (awaited put alone {v['put_median_us']:.1f} us{limit})"
             )
             side = v.get("beside")
-            if side:
+            if side and "error" in side:
+                lines.append(f"    timed beside the asyncio wake-up: not measured ({side['error']})")
+            elif side:
                 lines.append(
                     f"    timed beside, {side['rounds']} alternating rounds (the best of each):"
                     f" {side['median_us']:.1f} us, the put alone {side['put_median_us']:.1f} us"
@@ -1104,7 +1119,7 @@ async def bench(args: argparse.Namespace) -> Results:
         results.skipped = {name: missing[name] for name in args.transports if name in missing}
         transports = [name for name in args.transports if name not in missing]
     steps = 5 + 4 * len(plan.bw_sizes) + len(transports) * (2 * len(plan.lat_sizes) + len(plan.bw_sizes) + 3) + 1
-    steps += "tcp" in transports  # its latency mode
+    steps += 2 * ("tcp" in transports)  # its latency mode, its put beside the C round trip
     steps += len(PEER_RUNS) if args.peers else 0
     steps += len(plan.reg_sizes)
     progress = Progress(steps)
