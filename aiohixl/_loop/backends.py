@@ -24,6 +24,9 @@ class Backend:
     def new_waiter(self) -> Any: ...
     def resolve(self, waiter: Any, exc: BaseException | None) -> None: ...
     async def wait(self, waiter: Any) -> None: ...
+    def forget(self, waiter: Any) -> None:
+        """Nobody will wait for ``waiter`` (its task stopped waiting): what it is given is dropped."""
+
     def spawn(self, fn: Callable[[], Any], name: str) -> None:
         """Run ``fn()`` in the background; it must catch its own exceptions."""
 
@@ -243,6 +246,17 @@ class AsyncioBackend(Backend):
     async def wait(self, waiter: asyncio.Future) -> None:
         await waiter
 
+    def forget(self, waiter: asyncio.Future | PolledOp) -> None:
+        # Else an error it is given later is logged as "exception was never retrieved".
+        if isinstance(waiter, PolledOp):
+            if waiter.state == OK:
+                return
+            waiter = waiter._future()  # where its end would go; cancelled, it takes none
+        if not waiter.done():
+            waiter.cancel()
+        elif not waiter.cancelled():
+            waiter.exception()  # marks it retrieved
+
     async def run_to_end(self, fn: Callable[..., Any], *args: Any) -> Any:
         # The loop's executor, not anyio's threads: their first use imports anyio's asyncio
         # backend on the loop (25-50 ms here), which the first region.close() would stall for.
@@ -345,6 +359,9 @@ class TrioBackend(Backend):
             raise
         if waiter.exc is not None:
             raise waiter.exc
+
+    def forget(self, waiter: _TrioWaiter) -> None:
+        waiter.abandoned = True
 
     async def run_to_end(self, fn: Callable[..., Any], *args: Any) -> Any:
         with self.trio.CancelScope(shield=True):  # trio waits for the thread, even cancelled

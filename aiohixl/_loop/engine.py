@@ -361,8 +361,14 @@ class Engine:
                         await backend.wait(waiter)
                     except HixlError as exc:
                         first = first or exc
-        except TimeoutError:
-            raise TransferTimeout(f"{what}: no completion within {timeout} s; the op may still complete") from None
+        except BaseException as exc:
+            # Cancelled or timed out: the ops not waited for yet end without anyone to see
+            # how (their memory stays held until then, as the engine keeps it).
+            for waiter in waiters:
+                backend.forget(waiter)
+            if isinstance(exc, TimeoutError):
+                raise TransferTimeout(f"{what}: no completion within {timeout} s; the op may still complete") from None
+            raise
         if first is not None:
             raise first
 
