@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+from aiohixl.tools import bench
 from aiohixl.tools.info import TransportStatus, transports
 
 
@@ -118,6 +119,12 @@ def test_bench_quick_writes_json(tmp_path):
     assert "against the blocking C round trip timed beside it" in proc.stdout and "timed beside, " in proc.stdout
     assert all(row["stream_beside_gbps"] > 0 for row in data["transports"]["tcp"]["bandwidth"].values())
     assert "against the blocking stream timed in the same" in proc.stdout
+    # A stream that could not be timed beside the puts is said, not left out.
+    for row in data["transports"]["tcp"]["bandwidth"].values():
+        row.update(stream_beside_gbps=None, stream_beside_error="[Errno 111] Connection refused")
+    text = bench.render(bench.Results(**{k: data[k] for k in ("machine", "baselines", "transports")}))
+    assert "the blocking stream in the same rounds: not measured ([Errno 111] Connection refused)" in text
+    assert "against the blocking stream timed in the same" not in text
     if shutil.which("iperf3"):
         assert b["iperf3"]["gbps"] > 0 and isinstance(b["iperf3"]["agrees"], bool)
         assert "iperf3" in proc.stdout

@@ -1013,6 +1013,9 @@ def render(r: Results) -> str:
             )
             if streamed:
                 lines.append(f"  the same against the blocking stream timed in the same {ROUNDS} rounds: {streamed}")
+            failed = {v["stream_beside_error"] for v in t["bandwidth"].values() if v.get("stream_beside_error")}
+            if failed:
+                lines.append(f"  the blocking stream in the same rounds: not measured ({'; '.join(sorted(failed))})")
         s = t["small_ops"]
         lines.append(
             f"  4 KiB puts/s (best of {ROUNDS} rounds): gather {s['gather_ops_per_s']:,.0f}"
