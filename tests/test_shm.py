@@ -87,7 +87,9 @@ async def test_put_many_across_both_paths_never_holds_more_ops_than_the_ring(pre
     try:
         target = await Target.start(prefix=prefix)
     except Exception as exc:
-        pytest.skip(f"cannot start the target: {exc}")
+        if not prefix:
+            raise
+        pytest.skip(f"cannot start a target in a user namespace: {exc}")
     try:
         await target.alloc("memfd", 8 << 20)
         await target.alloc("user", 8 << 20, kind="register")
