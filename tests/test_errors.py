@@ -33,6 +33,12 @@ async def test_a_host_name_that_does_not_resolve_is_connect_failed(agent):
     assert isinstance(info.value, OSError) and info.value.errno is not None  # the resolver's EAI_* code
 
 
+@pytest.mark.parametrize("address", [None, 5000, b"127.0.0.1:5000"], ids=["none", "int", "bytes"])
+async def test_an_address_that_is_no_string_is_invalid_argument(agent, address):
+    with pytest.raises(aiohixl.InvalidArgument, match=f"an address is 'host:port', not {type(address).__name__}"):
+        await agent.connect(address, token="t")
+
+
 async def _serve_once(reply: bytes) -> tuple[asyncio.AbstractServer, int]:
     """A listener of another protocol: it answers the first bytes it reads with ``reply``."""
 

@@ -94,6 +94,8 @@ def resolve_token(token: str | bytes | None, what: str, spelled: str = "token=")
 
 
 def parse_address(address: str, what: str) -> tuple[str, int]:
+    if not isinstance(address, str):
+        raise InvalidArgument(f"{what}: an address is 'host:port', not {type(address).__name__}")
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise InvalidArgument(f"{what}: address {address!r} is not 'host:port'")
