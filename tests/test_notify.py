@@ -22,7 +22,7 @@ from aiohixl._loop.native import lib
 
 from .harness import TOKEN, Target, pattern, sha
 from .test_contract import IN_VM, PATHS, RUN
-from .waiting import wait_until
+from .waiting import all_end, wait_until
 
 # Sizes up to 64 MiB; in the Soft-RoCE VM (emulated, ~100x slower) up to 8 MiB: its 1000 ops take ~1 min.
 SPACE = (8 << 20) if IN_VM else (64 << 20)
@@ -203,6 +203,16 @@ async def test_ordered_per_sender_none_lost_from_four_senders():
         await target.aclose()
 
 
+async def _sends_end(sends: list[asyncio.Task[None]], collect: asyncio.Task[dict], peer: aiohixl.Peer) -> None:
+    """The sends end as the target's collect takes their messages: one that fails is raised
+    at once, not found as the collect's timeout (which says nothing of why)."""
+    try:
+        await all_end(sends, 120, lambda: f"peer.broken={peer.broken!r}")
+    except BaseException:
+        collect.cancel()
+        raise
+
+
 async def _received_at_least(target: Target, n: int) -> bool:
     return (await target.state())["received"] >= n
 
@@ -222,8 +232,9 @@ async def test_a_full_queue_holds_senders_back_and_loses_nothing():
             received = (await target.state())["received"]
             assert received < 100, "a full queue must hold senders back"
             assert sum(t.done() for t in sends) <= received  # a notify returns once queued there
-            reply = await target.cmd(op="collect", n=100)
-            await asyncio.gather(*sends)
+            collect = asyncio.create_task(target.cmd(op="collect", n=100))
+            await _sends_end(sends, collect, peer)
+            reply = await collect
             assert [d for _, d in reply["notes"]] == [f"m{i}" for i in range(100)]
             assert reply["dropped"] == 0
     finally:
@@ -256,8 +267,9 @@ async def test_a_full_doorbell_ring_holds_the_sender_back_in_order():
             assert sum(t.done() for t in sends) == lib.HX_BELL_SLOTS
             assert not blocked.done(), "the target's loop ran: the test proves nothing"
             await blocked
-            reply = await target.cmd(op="collect", n=n)
-            await asyncio.gather(*sends)
+            collect = asyncio.create_task(target.cmd(op="collect", n=n))
+            await _sends_end(sends, collect, peer)
+            reply = await collect
             assert [d for _, d in reply["notes"]] == [f"m{i}" for i in range(n)]
             assert reply["dropped"] == 0
             await peer.notify(b"after")  # the ring again, behind all of them

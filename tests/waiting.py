@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
@@ -40,3 +41,15 @@ def wait_until_sync(predicate: Callable[[], object], timeout: float = 30.0, what
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout} s: {what or getattr(predicate, '__qualname__', predicate)}")
         time.sleep(0.02)
+
+
+async def all_end(tasks: list[asyncio.Task[object]], timeout: float, state: Callable[[], str]) -> None:
+    """Wait for ``tasks`` (asyncio). The first that fails is raised at once; any still running
+    after ``timeout`` seconds fail the test with ``state()`` (the sender's side of it): else a
+    collect waiting beside them would wait out its own timeout and say neither."""
+    done, pending = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+    failed = [t.exception() for t in done if t.exception() is not None]
+    if failed:
+        raise failed[0]
+    if pending:
+        raise AssertionError(f"{len(pending)} of {len(tasks)} still wait after {timeout} s: {state()}")

@@ -23,7 +23,7 @@ from aiohixl.remote import RemoteRegion
 from aiohixl.transports import verbs as _rdma
 
 from ..harness import BRIDGE, TOKEN, Target, pattern, sha
-from ..waiting import wait_until
+from ..waiting import all_end, wait_until
 
 try:
     CHOICE = _rdma.choose()
@@ -164,16 +164,12 @@ async def test_a_full_queue_holds_verbs_senders_back_and_loses_nothing():
             received = (await target.state())["received"]
             assert received < total and sum(t.done() for t in sends) < total, "a full queue must hold the sender back"
             collect = asyncio.create_task(target.cmd(op="collect", n=total, timeout=300))
-            # The sends end as the target takes the messages. One that failed (the queue pair
-            # broke) is raised, one still waiting is said with the sender's state: else the
-            # collect would wait out its timeout and say neither.
-            done, pending = await asyncio.wait(sends, timeout=240, return_when=asyncio.FIRST_EXCEPTION)
-            failed = [t.exception() for t in done if t.exception() is not None]
-            if failed or pending:
+            # The sends end as the target takes the messages (one that failed: the queue pair broke).
+            try:
+                await all_end(sends, 240, lambda: f"peer.broken={peer.broken!r}, {a.stats()}")
+            except BaseException:
                 collect.cancel()
-                if failed:
-                    raise failed[0]
-                pytest.fail(f"{len(pending)} of {total} sends still wait: peer.broken={peer.broken!r}, {a.stats()}")
+                raise
             reply = await collect
             # Each kind in its order (the tasks race one another, so not interleaved).
             assert [d for _, d in reply["notes"] if d] == [f"m{i}" for i in range(0, total, 2)]
