@@ -8,9 +8,11 @@ import weakref
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
+from . import _args
 from ._agent.connect import connect, transport_names
 from ._agent.core import AgentCore
 from ._control import handshake as c
+from ._control.wire import MAX_STR
 from .errors import ClosedError, InvalidArgument
 from .memory import Access, Region, RegionSlice, parse_access
 from .notifications import Notification
@@ -88,14 +90,23 @@ class Agent:
         busy_poll_us: int = 0,
     ) -> None:
         allowed = transport_names(transports, "Agent(transports=...)")
-        if not 1 <= max_inflight <= 1 << 24:
-            raise InvalidArgument(f"Agent(max_inflight={max_inflight}): must be in [1, 2**24]")
+        if name is not None:
+            _args.text(name, "Agent", "name", MAX_STR)
+        _args.integer(max_inflight, "Agent", "max_inflight", 1, 1 << 24)
         if copy_threads is None:
             copy_threads = min(4, os.cpu_count() or 1)
-        if not 1 <= copy_threads <= 64:
-            raise InvalidArgument(f"Agent(copy_threads={copy_threads}): must be in [1, 64]")
-        if not 1 <= max_notifications <= 1 << 20:
-            raise InvalidArgument(f"Agent(max_notifications={max_notifications}): must be in [1, 2**20]")
+        _args.integer(copy_threads, "Agent", "copy_threads", 1, 64)
+        _args.integer(max_notifications, "Agent", "max_notifications", 1, 1 << 20)
+        _args.integer(rdma_timeout, "Agent", "rdma_timeout", 1, 31)
+        _args.integer(rdma_retry_count, "Agent", "rdma_retry_count", 0, 7)
+        for arg, value in (("rdma_port", rdma_port), ("rdma_gid_index", rdma_gid_index)):
+            if value is not None:
+                _args.integer(value, "Agent", arg, 0 if arg == "rdma_gid_index" else 1, 255)
+        if rdma_device is not None:
+            _args.text(rdma_device, "Agent", "rdma_device", 64)
+        _args.seconds(stall_timeout, "Agent", "stall_timeout", _args.FOREVER)
+        _args.seconds(heartbeat_interval, "Agent", "heartbeat_interval", _args.FOREVER)
+        _args.seconds(heartbeat_timeout, "Agent", "heartbeat_timeout", _args.FOREVER)
         if (
             not isinstance(busy_poll_us, int)
             or isinstance(busy_poll_us, bool)
@@ -111,8 +122,8 @@ class Agent:
             )
         self._listen = c.parse_address(listen, "Agent(listen=...)") if listen is not None else None
         self._token = token
-        if listen is not None:
-            c.resolve_token(token, "Agent(listen=...)")
+        if listen is not None or token is not None:
+            c.resolve_token(token, "Agent(listen=...)" if listen is not None else "Agent(token=...)")
         options = dict(
             rdma_device=rdma_device,
             rdma_port=rdma_port,
@@ -300,7 +311,7 @@ class Agent:
         address: str,
         token: str | bytes | None = None,
         *,
-        timeout: float = 10.0,
+        timeout: float | None = 10.0,
         transports: tuple[str, ...] | None = None,
     ) -> Peer:
         """Connect to the agent listening at ``address`` ("host:port") and authenticate.
@@ -316,7 +327,8 @@ class Agent:
         self._core.check_open("Agent.connect")
         key = c.resolve_token(token if token is not None else self._token, what)
         host, port = c.parse_address(address, what)
-        wanted = self.transports if transports is None else transport_names(tuple(transports), what)
+        wanted = self.transports if transports is None else transport_names(transports, what)
+        timeout = _args.timeout(timeout, what)
         return Peer.construct(self, await connect(self._core, host, port, key, timeout, wanted, what))
 
     def export_rc(self, target: Region | RegionSlice, *, access: Access | str, label: str = "rc") -> RcExport:

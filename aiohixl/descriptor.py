@@ -84,6 +84,8 @@ def encode_info(info: RegionInfo) -> bytes:
 
 def decode(data: bytes) -> RegionInfo:
     """Parse a descriptor; anything malformed raises InvalidDescriptor."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidDescriptor(f"a descriptor is bytes (Region.descriptor()), not {type(data).__name__}")
     data = bytes(data)
     if len(data) < _HEAD.size + 2 * _LEN.size:
         raise InvalidDescriptor(f"descriptor too short ({len(data)} bytes)")
@@ -98,6 +100,8 @@ def decode(data: bytes) -> RegionInfo:
         raise InvalidDescriptor(f"unknown memory kind {kind}")
     if flags:
         raise InvalidDescriptor(f"unknown flags {flags:#x}")
+    if nbytes >= 1 << 63:
+        raise InvalidDescriptor(f"a region of {nbytes} bytes cannot exist")
     pos = _HEAD.size
     (name_len,) = _LEN.unpack_from(data, pos)
     pos += _LEN.size

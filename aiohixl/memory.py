@@ -39,6 +39,8 @@ def parse_access(access: Access | str | None, what: str) -> Access | None:
     if access is None or isinstance(access, Access):
         return access
     if isinstance(access, int) and not isinstance(access, bool):
+        if access & ~int(Access.REMOTE_READ | Access.REMOTE_WRITE) or access < 0:
+            raise InvalidArgument(f"{what}: access={access:#x} has bits outside REMOTE_READ|REMOTE_WRITE")
         return Access(access)
     if isinstance(access, str):
         flags = Access.NONE

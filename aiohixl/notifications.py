@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 
+from . import _args
 from ._loop.engine import Engine
 from ._loop.native import ffi, lib
 from .errors import ClosedError, InvalidArgument, NotificationTimeout
@@ -169,8 +170,7 @@ class Inbox:
     async def get(self, timeout: float | None, match: Any, what: str) -> Notification:
         if self.closed:
             raise ClosedError(f"{what}: agent {self.own[0]!r} is closed")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
-            raise InvalidArgument(f"{what}: timeout must be a number of seconds or None, not {type(timeout).__name__}")
+        timeout = _args.timeout(timeout, what)
         if match is not None:
             match = note_bytes(match, what, "match=")
         engine = self.engine

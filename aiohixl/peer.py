@@ -8,6 +8,7 @@ from functools import partial
 from threading import get_ident as _get_ident
 from typing import Any, Union
 
+from . import _args
 from ._agent.peer_core import PeerCore
 from ._construct import NoPublicConstructor
 from ._control import wire as w
@@ -76,6 +77,7 @@ class Peer(metaclass=NoPublicConstructor):
 
     async def region(self, name: str) -> RemoteRegion:
         """The region the peer published under ``name``."""
+        _args.text(name, "Peer.region", "name", w.MAX_STR)
         self._check_open("Peer.region")
         core = self._core
         if core.session is None:
@@ -262,12 +264,13 @@ class Peer(metaclass=NoPublicConstructor):
         ``notify``: one message, delivered once every pair has landed. With ``imm``
         (verbs only) the last write carries it, after all the others.
         """
-        await self._transfer(lib.HX_OP_PUT, tuple(pairs), timeout, "Peer.put_many", imm, notify)
+        await self._transfer(lib.HX_OP_PUT, _pairs(pairs, "Peer.put_many"), timeout, "Peer.put_many", imm, notify)
 
     async def notify(self, data: bytes, *, timeout: float | None = None) -> None:
         """Send ``data`` (up to 4 KiB) alone: the target's ``agent.notification()`` yields it
         after every op issued earlier on this peer has landed. Returns once it is queued there."""
         what = "Peer.notify"
+        timeout = _args.timeout(timeout, what)
         data = note_bytes(data, what, "data")
         self._check_open(what)
         if not self._core.ordered:
@@ -276,7 +279,8 @@ class Peer(metaclass=NoPublicConstructor):
 
     async def get_many(self, pairs: Iterable[tuple[LocalRef, RemoteRef]], *, timeout: float | None = None) -> None:
         """Many gets, ``(local, remote)`` pairs, in one native submission and one awaitable."""
-        await self._transfer(lib.HX_OP_GET, tuple((r, loc) for loc, r in pairs), timeout, "Peer.get_many")
+        local_first = _pairs(pairs, "Peer.get_many")
+        await self._transfer(lib.HX_OP_GET, tuple((r, loc) for loc, r in local_first), timeout, "Peer.get_many")
 
     async def _transfer(
         self,
@@ -287,6 +291,7 @@ class Peer(metaclass=NoPublicConstructor):
         imm: int | None = None,
         notify: bytes | None = None,
     ) -> None:
+        timeout = _args.timeout(timeout, what)
         if notify is not None:
             notify = note_bytes(notify, what)
         self._check_open(what)
@@ -302,8 +307,8 @@ class Peer(metaclass=NoPublicConstructor):
             if notify is not None:  # nothing to wait for: the message alone
                 await self._send_note(notify, 0, timeout, what)
             return
-        if imm is not None and not 0 <= imm <= 0xFFFFFFFF:
-            raise InvalidArgument(f"{what}: imm={imm} is not a 32-bit unsigned value")
+        if imm is not None and (isinstance(imm, bool) or not isinstance(imm, int) or not 0 <= imm <= 0xFFFFFFFF):
+            raise InvalidArgument(f"{what}: imm={imm!r} is not a 32-bit unsigned value")
         if self._one_route is not None and imm is None:
             # The message can follow this op's data on its link (unless the ring holds one op).
             behind = core.ordered and engine.capacity > 1
@@ -464,6 +469,18 @@ class Peer(metaclass=NoPublicConstructor):
 
     def __repr__(self) -> str:
         return f"<Peer {self.name or self.remote_id.hex()} via {self.transport}>"
+
+
+def _pairs(pairs: Any, what: str) -> tuple[tuple[Any, Any], ...]:
+    """``pairs`` as a tuple of 2-tuples, or InvalidArgument: not a TypeError from an unpacking."""
+    try:
+        out = tuple(pairs)
+    except TypeError:
+        raise InvalidArgument(f"{what}: pairs must be an iterable of 2-tuples, not {type(pairs).__name__}") from None
+    for pair in out:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise InvalidArgument(f"{what}: each pair must be a 2-tuple, not {type(pair).__name__} {pair!r:.60}")
+    return out
 
 
 def _local_slice(local: Any, what: str) -> RegionSlice:

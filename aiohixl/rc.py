@@ -52,9 +52,11 @@ def _gid_raw(text: Any, what: str) -> bytes:
 
 def _facts(data: Mapping[str, Any] | str | bytes, what: str) -> Mapping[str, Any]:
     if isinstance(data, (str, bytes)):
+        if len(data) > 4096:  # an endpoint is ~150 bytes; deep nesting would exhaust the parser's stack
+            raise InvalidArgument(f"{what}: {len(data)} characters is no endpoint")
         try:
             data = json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise InvalidArgument(f"{what}: not JSON: {exc}") from None
     if not isinstance(data, Mapping):
         raise InvalidArgument(f"{what}: expected a JSON object, got {type(data).__name__}")

@@ -4,6 +4,7 @@ import asyncio
 import errno
 import http.client
 import logging
+import math
 import socket
 
 import pytest
@@ -101,3 +102,85 @@ async def test_notification_arguments_are_checked_by_name(agent):
         await agent.notification(timeout="1")
     with pytest.raises(aiohixl.InvalidArgument, match=r"Peer.notify: data takes bytes"):
         await agent.loopback().notify("ready")
+
+
+@pytest.mark.parametrize(
+    "kw, text",
+    [
+        ({"name": 123}, "name must be a str, not int"),
+        ({"name": "n" * 1025}, "name is 1025 bytes in UTF-8, at most 1024"),
+        ({"name": "\udcff"}, "lone surrogate"),
+        ({"max_inflight": "x"}, "max_inflight must be an int, not str"),
+        ({"copy_threads": 1.5}, "copy_threads must be an int, not float"),
+        ({"max_notifications": None}, "max_notifications must be an int, not NoneType"),
+        ({"rdma_timeout": 0}, r"rdma_timeout=0 must be in \[1, 31\]"),
+        ({"rdma_retry_count": "7"}, "rdma_retry_count must be an int"),
+        ({"rdma_port": "x"}, "rdma_port must be an int"),
+        ({"stall_timeout": float("inf")}, "stall_timeout=inf must be in"),
+        ({"heartbeat_timeout": float("nan")}, "heartbeat_timeout=nan must be in"),
+        ({"transports": 123}, "choose 'auto' or a tuple"),
+        ({"token": 4}, "a token is str or bytes, not int"),  # bytes(4): four zero bytes
+        ({"token": True}, "a token is str or bytes, not bool"),
+        ({"token": "\udcff"}, "lone surrogate"),
+    ],
+    ids=lambda v: str(v)[:40],
+)
+def test_agent_settings_of_the_wrong_type_are_invalid_argument_at_construction(kw, text):
+    """Each of these was a TypeError, AttributeError or OverflowError, some only at connect()
+    or at a peer's first connection; an int token was taken as that many zero bytes."""
+    with pytest.raises(aiohixl.InvalidArgument, match=text):
+        aiohixl.Agent(**kw)
+
+
+@pytest.mark.parametrize("timeout", ["1", math.nan, [1]], ids=["str", "nan", "list"])
+async def test_a_wrong_timeout_is_refused_before_the_op_is_posted(agent, timeout):
+    """Checked first, not when the wait begins: a put that raised had its bytes land anyway."""
+    src = agent.register(bytearray(b"x" * 64))
+    dst = agent.allocate(64)
+    peer = agent.loopback()
+    remote = peer.remote_region(dst.descriptor())
+    for call in (
+        lambda: peer.put(remote, src, timeout=timeout),
+        lambda: peer.get(src, remote, timeout=timeout),
+        lambda: peer.put_many([(remote, src)], timeout=timeout),
+        lambda: peer.get_many([(src, remote)], timeout=timeout),
+        lambda: peer.notify(b"x", timeout=timeout),
+        lambda: agent.notification(timeout=timeout),  # NaN: a wait that never ended
+        lambda: agent.connect("127.0.0.1:1", token="t", timeout=timeout),
+    ):
+        with pytest.raises(aiohixl.InvalidArgument, match="timeout (must be a number|is NaN)"):
+            await asyncio.wait_for(call(), 10)
+    assert not any(dst.memory), "nothing was posted"
+    assert agent.notifications_dropped == 0
+
+
+async def test_malformed_op_arguments_are_invalid_argument(agent):
+    src = agent.register(bytearray(64))
+    peer = agent.loopback()
+    remote = peer.remote_region(agent.allocate(64).descriptor())
+    for call, text in [
+        (lambda: peer.put_many(None), "pairs must be an iterable of 2-tuples, not NoneType"),
+        (lambda: peer.put_many([None]), "each pair must be a 2-tuple, not NoneType"),
+        (lambda: peer.put_many([(remote,)]), "each pair must be a 2-tuple, not tuple"),
+        (lambda: peer.get_many("ab"), "each pair must be a 2-tuple, not str"),
+        (lambda: peer.put(remote, src, imm="x"), "imm='x' is not a 32-bit unsigned value"),
+        (lambda: peer.region(123), "name must be a str, not int"),
+    ]:
+        with pytest.raises(aiohixl.InvalidArgument, match=text):
+            await call()
+    for descriptor, text in [(None, "a descriptor is bytes"), ("kv", "a descriptor is bytes")]:
+        with pytest.raises(aiohixl.InvalidDescriptor, match=text):
+            peer.remote_region(descriptor)
+    forged = bytearray(agent.allocate(8).descriptor())
+    forged[12:20] = (1 << 63).to_bytes(8, "little")  # nbytes
+    with pytest.raises(aiohixl.InvalidDescriptor, match="cannot exist"):
+        peer.remote_region(bytes(forged))
+
+
+async def test_a_tcp_peer_asked_for_a_region_by_a_name_of_the_wrong_type_says_so():
+    async with aiohixl.Agent("target", listen="127.0.0.1:0", token="t") as target:
+        async with aiohixl.Agent("initiator", token="t", transports=("tcp",)) as agent:
+            peer = await agent.connect(target.address)
+            with pytest.raises(aiohixl.InvalidArgument, match=r"Peer.region: name must be a str, not bytes"):
+                await peer.region(b"kv")
+            assert peer.broken is None  # refused here, nothing sent

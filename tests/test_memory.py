@@ -12,6 +12,7 @@ import aiohixl
 from aiohixl import Access
 from aiohixl import _testing as hooks
 from aiohixl.descriptor import decode
+from aiohixl.memkinds import memfd as memfd_kind
 
 from .waiting import wait_until
 
@@ -267,6 +268,13 @@ async def test_duplicate_name_refused(agent):
         (lambda a: a.register(bytearray(8), name=b"kv"), aiohixl.InvalidArgument, "name must be a str"),
         (lambda a: a.allocate(2**62), MemoryError, r"Agent.allocate\(4611686018427387904\): cannot allocate"),
         (lambda a: a.allocate(1.5), aiohixl.InvalidArgument, "size must be an int"),
+        (lambda a: a.allocate(2**64), MemoryError, "cannot allocate 18446744073709551616 bytes: the host has"),
+        (lambda a: a.register(bytearray(8), access=-2), aiohixl.InvalidArgument, "bits outside"),
+        (lambda a: a.allocate(64, name="n" * 256), aiohixl.InvalidArgument, "name is 256 bytes in UTF-8, at most 255"),
+        (lambda a: a.allocate(64, name="a\x00"), aiohixl.InvalidArgument, "holds a NUL"),
+        (lambda a: a.register(bytearray(8), name="\udcff"), aiohixl.InvalidArgument, "lone surrogate"),
+        (lambda a: a.register(np.array([object()] * 4)), aiohixl.UnsupportedMemory, "holds Python objects"),
+        (lambda a: a.register(_released()), aiohixl.UnsupportedMemory, "released memoryview"),
     ],
     ids=[
         "allocate-access-4",
@@ -277,12 +285,43 @@ async def test_duplicate_name_refused(agent):
         "name-bytes",
         "huge",
         "float",
+        "2**64",
+        "access-negative",
+        "name-too-long",
+        "name-nul",
+        "name-surrogate",
+        "object-array",
+        "released-view",
     ],
 )
 async def test_bad_arguments_are_refused_clearly(agent, call, error, text):
     with pytest.raises(error, match=text):
         call(agent)
     assert not hooks.live_regions(agent)  # nothing half-registered
+
+
+def _released() -> memoryview:
+    view = memoryview(bytearray(8))
+    view.release()
+    return view
+
+
+async def test_an_allocation_the_host_cannot_back_is_memory_error_before_any_page(agent):
+    """allocate populates its pages at once: past what the host has, the kernel's OOM killer
+    would end the process (this one, likely) instead of the call failing."""
+    room = memfd_kind.room()
+    assert room is not None, "this host's /proc/meminfo says what it has"
+    with pytest.raises(MemoryError, match=r"cannot allocate \d+ bytes: the host has \d+ available"):
+        agent.allocate(room + (1 << 30))
+    with pytest.raises(MemoryError, match="the host has"):
+        await agent.allocate_async(room + (1 << 30))
+    assert not hooks.live_regions(agent)
+
+
+async def test_a_region_name_of_255_bytes_is_taken(agent):
+    # The memfd's own label (/proc/PID/fd) is cut to the kernel's 249 bytes; the name is whole.
+    region = agent.allocate(4096, name="é" * 127 + "x")
+    assert region.name == "é" * 127 + "x" and len(region.name.encode()) == 255
 
 
 async def test_register_async_errors_name_register_async(agent):

@@ -337,6 +337,8 @@ async def test_unknown_rank_and_unknown_region_name_what_the_store_holds(store):
         other.allocate_registered(4096, name="kv")
         with pytest.raises(aiohixl.UnknownRank, match=r"no rank 42 .*ranks 0 \(prefill\), 4 \(decode\)"):
             await ctx.get_remote_mem(42, timeout=0.5)
+        with pytest.raises(aiohixl.UnknownRank, match=r"no rank 42 .*within 0.5 s"):
+            await ctx.notify(42, b"x", timeout=0.5)  # its timeout bounds the lookup too
         with pytest.raises(aiohixl.UnknownRank, match=r"rank 4 \(decode\).*no region 'weights'.*\['kv'\]"):
             await ctx.get_remote_mem(4, name="weights", timeout=1)
         with pytest.raises(aiohixl.OutOfBounds, match="8192 bytes.*4096"):
@@ -356,6 +358,22 @@ async def test_get_remote_mem_of_nbytes_is_a_window_of_nbytes(store):
         assert (await ctx.get_remote_mem(4, 1 << 16)).nbytes == (await ctx.get_remote_mem(4)).nbytes == 1 << 16
         with pytest.raises(aiohixl.InvalidArgument, match="nbytes must be an int"):
             await ctx.get_remote_mem(4, -1)
+        for call, text in [
+            (lambda: ctx.get_remote_mem("4"), "rank must be an int, not str"),
+            (lambda: ctx.get_remote_mem(-1), r"rank=-1 must be in \[0, "),
+            (lambda: ctx.get_remote_mem(4, name=None), "name must be a str, not NoneType"),
+            (lambda: ctx.get_remote_mem(4, timeout="x"), "timeout must be a number"),
+            (lambda: ctx.put(None, src), "expected a RemoteRegion"),
+            (lambda: ctx.put(remote, src, "x"), "nbytes must be an int or None, not str"),
+            (lambda: ctx.barrier(group=123), "group must be a str"),
+            (lambda: ctx.wait_ranks("x"), "n must be an int"),
+            (lambda: ctx.notify(7, "x"), "data takes bytes"),  # before waiting for rank 7
+            (lambda: ctx.deregister("kv"), "expected a Region, not str"),
+        ]:
+            with pytest.raises(aiohixl.InvalidArgument, match=text):
+                await call()
+        with pytest.raises(aiohixl.InvalidArgument, match="rank must be an int"):
+            ctx.group_of([1])
 
 
 async def test_an_unreachable_store_is_a_connect_timeout_naming_it(store):
@@ -423,6 +441,20 @@ def test_bad_arguments_are_refused_before_anything_starts():
         asyncio.run(go(rank=2, world_size=2, store="tcp://127.0.0.1:1", token=TOKEN))
     with pytest.raises(aiohixl.InvalidArgument, match="rank="):
         asyncio.run(go(store="tcp://127.0.0.1:1", token=TOKEN))
+    # Each of these was a TypeError, AttributeError or struct.error from deep inside.
+    tcp = {"store": "tcp://127.0.0.1:1", "token": TOKEN}
+    for kw, text in [
+        ({"rank": "0"}, "rank must be an int, not str"),
+        ({"rank": 0, "world_size": 1.5}, "world_size must be an int, not float"),
+        ({"rank": 0, "group": 123}, "group must be a str, not int"),
+        ({"rank": 0, "namespace": b"job"}, "namespace must be a str, not bytes"),
+        ({"rank": 0, "timeout": "x"}, "timeout must be a number of seconds, not str"),
+        ({"rank": 0, "token": 4}, "a token is str or bytes, not int"),
+    ]:
+        with pytest.raises(aiohixl.InvalidArgument, match=text):
+            asyncio.run(go(**{**tcp, **kw}))
+    with pytest.raises(aiohixl.InvalidArgument, match="store must be a URL string, not int"):
+        asyncio.run(go(rank=0, store=123, token=TOKEN))
 
 
 def test_the_two_process_example_runs_as_written():

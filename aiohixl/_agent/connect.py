@@ -31,7 +31,7 @@ class Connector(PeersOwner, AgentView, Protocol):
 
 
 async def connect(
-    agent: Connector, host: str, port: int, key: bytes, timeout: float, wanted: tuple[str, ...], what: str
+    agent: Connector, host: str, port: int, key: bytes, timeout: float | None, wanted: tuple[str, ...], what: str
 ) -> PeerCore:
     """A connected peer's plumbing, its session started; whatever was half made is let go on failure."""
     agent.engine.attach(what)
@@ -109,7 +109,7 @@ def transport_reason(chosen: str, refused: dict[str, str]) -> str:
 def transport_names(transports: str | tuple[str, ...], what: str) -> tuple[str, ...]:
     if transports == "auto":
         return tr.NAMES
-    if isinstance(transports, str) or any(t not in tr.NAMES for t in transports):
+    if not isinstance(transports, (tuple, list)) or any(t not in tr.NAMES for t in transports):
         raise InvalidArgument(f"{what}: choose 'auto' or a tuple of {tr.NAMES}, not {transports!r}")
     return tuple(transports)
 

@@ -8,6 +8,7 @@ import secrets
 from functools import partial
 from typing import Any, Protocol
 
+from .. import _args
 from .._control.listener import Listener
 from .._loop.backends import Backend
 from .._loop.engine import Engine
@@ -15,7 +16,7 @@ from .._loop.native import check, ffi, lib
 from ..descriptor import RegionInfo, encode_info
 from ..errors import InvalidArgument, RegionUnavailable
 from ..memkinds import Pinned, pin
-from ..memkinds.memfd import allocate as allocate_memfd
+from ..memkinds import memfd as memfd_kind
 from ..memory import Access, Region, parse_access
 from ..remote import RemoteRegion
 from ..transports import Transport
@@ -69,8 +70,11 @@ class Regions:
         if nbytes < 0:
             raise InvalidArgument(f"{what}: size must be >= 0")
         access = check_region_args(access, name, what)
+        available = memfd_kind.room()
+        if available is not None and nbytes > available:
+            raise MemoryError(f"{what}: cannot allocate {nbytes} bytes: the host has {available} available")
         try:
-            pinned = allocate_memfd(nbytes, name)
+            pinned = memfd_kind.allocate(nbytes, name)
         except OSError as exc:
             raise MemoryError(f"{what}: cannot allocate {nbytes} bytes: {exc.strerror or exc}") from exc
         if access is None:
@@ -107,13 +111,9 @@ class Regions:
 
     def add(self, pinned: Pinned, access: Access, name: str | None, what: str) -> Region:
         core = self._core
-        if name is not None:
-            if not name or len(name.encode()) > 255:
-                pinned.release()
-                raise InvalidArgument(f"{what}: name must be 1 to 255 bytes of UTF-8")
-            if name in self.named:
-                pinned.release()
-                raise InvalidArgument(f"{what}: a region named {name!r} is already registered")
+        if name is not None and name in self.named:
+            pinned.release()
+            raise InvalidArgument(f"{what}: a region named {name!r} is already registered")
         region_id = self._next
         self._next += 1
         # Ids count up and are easy to guess; the key is not. Every access a
@@ -248,8 +248,8 @@ def check_region_args(access: Any, name: Any, what: str) -> Access | None:
     """``access`` (flags or words, as parse_access takes) and ``name`` of register()/allocate(),
     checked before anything is pinned; the access as flags."""
     access = parse_access(access, what)
-    if access is not None and (int(access) & ~int(Access.REMOTE_READ | Access.REMOTE_WRITE) or int(access) < 0):
-        raise InvalidArgument(f"{what}: access={int(access):#x} has bits outside REMOTE_READ|REMOTE_WRITE")
-    if name is not None and not isinstance(name, str):
-        raise InvalidArgument(f"{what}: name must be a str, not {type(name).__name__}")
+    if name is not None:
+        _args.text(name, what, "name", 255)
+        if not name:
+            raise InvalidArgument(f"{what}: name must be 1 to 255 bytes of UTF-8")
     return access

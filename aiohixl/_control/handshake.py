@@ -90,7 +90,15 @@ def resolve_token(token: str | bytes | None, what: str, spelled: str = "token=")
         token = os.environ.get("AIOHIXL_TOKEN")
     if not token:
         raise InvalidArgument(f"{what}: a shared token is required ({spelled} or AIOHIXL_TOKEN)")
-    return token.encode() if isinstance(token, str) else bytes(token)
+    if isinstance(token, str):
+        try:
+            return token.encode()
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"{what}: the token is not valid Unicode (a lone surrogate)") from None
+    if not isinstance(token, (bytes, bytearray, memoryview)):
+        # bytes(4) would be four zero bytes: a token anyone could guess
+        raise InvalidArgument(f"{what}: a token is str or bytes, not {type(token).__name__}")
+    return bytes(token)
 
 
 def parse_address(address: str, what: str) -> tuple[str, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from .._loop.native import ffi
@@ -14,6 +15,13 @@ def pin(obj: Any, what: str) -> Pinned | None:
         view = memoryview(obj)
     except TypeError:
         return None
+    except ValueError as exc:  # a released memoryview
+        raise UnsupportedMemory(f"{what}: {type(obj).__name__}: {exc}") from None
+    if "O" in re.sub(r":[^:]*:", "", view.format):  # field names aside
+        fmt = view.format
+        view.release()
+        # Its bytes are pointers to Python objects: bytes written there would be followed.
+        raise UnsupportedMemory(f"{what}: {type(obj).__name__} holds Python objects (format {fmt!r})")
     if not view.c_contiguous:
         view.release()
         raise UnsupportedMemory(f"{what}: {type(obj).__name__} buffer is not C-contiguous")

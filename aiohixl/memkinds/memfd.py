@@ -10,9 +10,23 @@ from .._loop.native import ffi
 from .base import Pinned, address_of
 
 
+def room() -> int | None:
+    """Bytes this host could back now (MemAvailable + SwapFree); None when it does not say.
+    An allocation is populated at once: one larger would have the kernel kill a process
+    (this one, likely) instead of failing."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return sum(int(info[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree"))
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
 def allocate(nbytes: int, name: str | None) -> Pinned:
     """Zero-filled, page-aligned memory in a memfd."""
-    fd = os.memfd_create(f"aiohixl:{name or 'region'}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    # The name is a label in /proc/PID/fd only; the kernel takes at most 249 bytes of it.
+    label = f"aiohixl:{name or 'region'}".encode()[:249].decode(errors="ignore")
+    fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, max(nbytes, 1))
         # Sealed so that no process mapping it can ever be made to fault (SIGBUS)

@@ -19,6 +19,7 @@ from typing import Any, Union
 
 import anyio
 
+from .. import _args
 from .._control import handshake as c
 from ..agent import Agent
 from ..errors import (
@@ -30,6 +31,7 @@ from ..errors import (
     UnsupportedMemory,
 )
 from ..memory import Access, Region, RegionSlice, parse_access
+from ..notifications import note_bytes
 from ..peer import Peer
 from ..remote import RemoteRegion, RemoteSlice
 from .record import MAX_RANK, RankRecord, StoreURL, parse_store_url
@@ -150,6 +152,8 @@ class Context:
 
     async def deregister(self, region: Region) -> None:
         """Withdraw ``region`` from the store, then close it."""
+        if not isinstance(region, Region):
+            raise InvalidArgument(f"Context.deregister: expected a Region, not {type(region).__name__}")
         if region.name is not None and region.name in self._published:
             del self._published[region.name]
             self._republish()
@@ -174,20 +178,30 @@ class Context:
         return self.store.ranks(group)
 
     def group_of(self, rank: int) -> str | None:
+        _args.integer(rank, "Context.group_of", "rank", 0, MAX_RANK)
         rec = self.store.records.get(rank)
         return None if rec is None else rec.group
 
     async def wait_ranks(self, n: int, group: str | None = None, timeout: float | None = 60.0) -> list[int]:
         """Wait until at least ``n`` ranks (of ``group``) have joined; RendezvousTimeout names who is there."""
-        self._check("Context.wait_ranks")
-        return await self.store.wait_ranks(n, group, timeout, f"Context.wait_ranks({n}, group={group!r})")
+        what = f"Context.wait_ranks({n!r}, group={group!r})"
+        self._check(what)
+        _args.integer(n, what, "n", 0, MAX_RANK + 1)
+        if group is not None:
+            _args.text(group, what, "group", 255)
+        timeout = _args.timeout(timeout, what)
+        return await self.store.wait_ranks(n, group, timeout, what)
 
     async def barrier(self, group: str | None = None, timeout: float | None = 60.0) -> None:
         """Wait until every rank of ``group`` (every rank when None: ``world_size`` of them if given)
         has entered this barrier. Regions published before it are visible to all after it."""
-        self._check("Context.barrier")
+        what = f"Context.barrier(group={group!r})"
+        self._check(what)
+        if group is not None:
+            _args.text(group, what, "group", 255)
+        timeout = _args.timeout(timeout, what)
         expected = (self.world_size or 0) if group is None else 0
-        await self.store.barrier(group, expected, timeout, f"Context.barrier(group={group!r})")
+        await self.store.barrier(group, expected, timeout, what)
 
     # ---- peers ----
 
@@ -198,8 +212,11 @@ class Context:
         connects to it on first use and caches the peer. ``nbytes``: a window of that many bytes
         at the region's start (a RemoteSlice; the RemoteRegion itself when it is the whole
         region); a smaller region raises OutOfBounds."""
-        what = f"Context.get_remote_mem(rank={rank}, name={name!r})"
+        what = f"Context.get_remote_mem(rank={rank!r}, name={name!r})"
         self._check(what)
+        _args.integer(rank, what, "rank", 0, MAX_RANK)
+        _args.text(name, what, "name", 255)
+        timeout = _args.timeout(timeout, what)
         if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
             raise InvalidArgument(f"{what}: nbytes must be an int >= 0 or None, not {nbytes!r}")
         deadline = anyio.current_time() + (timeout if timeout is not None else 1e9)
@@ -227,8 +244,10 @@ class Context:
 
     async def peer(self, rank: int, timeout: float | None = 30.0) -> Peer:
         """The (cached) peer of ``rank``, connected on first use."""
-        what = f"Context.peer({rank})"
+        what = f"Context.peer({rank!r})"
         self._check(what)
+        _args.integer(rank, what, "rank", 0, MAX_RANK)
+        timeout = _args.timeout(timeout, what)
         rec = await self.store.lookup(rank, None, timeout, what)
         return await self._peer_for(rec, timeout if timeout is not None else 30.0, what)
 
@@ -254,7 +273,7 @@ class Context:
 
     async def _peer_of(self, remote: RemoteRef, what: str) -> Peer:
         """The peer a RemoteRegion belongs to; a broken one is reconnected (to the same agent)."""
-        region = remote if isinstance(remote, RemoteRegion) else remote.region
+        region = remote if isinstance(remote, RemoteRegion) else getattr(remote, "region", None)
         if not isinstance(region, RemoteRegion):
             raise InvalidArgument(f"{what}: expected a RemoteRegion from get_remote_mem(), got {type(remote).__name__}")
         rank = self._ranks_of.get(region.agent_id)
@@ -309,8 +328,12 @@ class Context:
         await peer.get(ls, remote, timeout=timeout)
 
     async def notify(self, rank: int, data: bytes, *, timeout: float | None = None) -> None:
-        """Send ``data`` to ``rank`` after every op issued to it earlier has landed."""
-        peer = await self.peer(rank)
+        """Send ``data`` to ``rank`` after every op issued to it earlier has landed. ``timeout``
+        also bounds the wait for ``rank`` to be known (30 s without one)."""
+        what = f"Context.notify({rank!r})"
+        data = note_bytes(data, what, "data")
+        timeout = _args.timeout(timeout, what)
+        peer = await self.peer(rank, timeout if timeout is not None else 30.0)
         await peer.notify(data, timeout=timeout)
 
     def _local(self, local: Any, what: str) -> Region | RegionSlice:
@@ -341,6 +364,8 @@ def _usable(peer: Peer) -> bool:
 
 
 def _first(ref: Any, nbytes: int, what: str) -> Any:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise InvalidArgument(f"{what}: nbytes must be an int or None, not {type(nbytes).__name__}")
     if nbytes < 0 or nbytes > len(ref):
         raise OutOfBounds(f"{what}: nbytes={nbytes} but one side has {len(ref)} bytes")
     return ref[0:nbytes]
@@ -403,12 +428,16 @@ async def init(
         raise InvalidArgument(
             f"{what}: give store= (tcp://HOST:PORT, redis://HOST:PORT/DB or etcd://HOST:PORT) or set AIOHIXL_STORE"
         )
-    if not 0 <= rank <= MAX_RANK:
-        raise InvalidArgument(f"{what}: rank {rank} is out of range")
-    if world_size is not None and not 0 <= rank < world_size:
-        raise InvalidArgument(f"{what}: rank {rank} is not below world_size {world_size}")
-    if not group or len(group.encode()) > 255 or not namespace or len(namespace.encode()) > 255:
-        raise InvalidArgument(f"{what}: group and namespace must be 1 to 255 bytes")
+    _args.integer(rank, what, "rank", 0, MAX_RANK)
+    if world_size is not None:
+        _args.integer(world_size, what, "world_size", 1, MAX_RANK + 1)
+        if not rank < world_size:
+            raise InvalidArgument(f"{what}: rank {rank} is not below world_size {world_size}")
+    _args.text(group, what, "group", 255)
+    _args.text(namespace, what, "namespace", 255)
+    if not isinstance(store, str):
+        raise InvalidArgument(f"{what}: store must be a URL string, not {type(store).__name__}")
+    timeout = _args.seconds(timeout, what, "timeout", _args.FOREVER)
     url = parse_store_url(store, what)
     key = c.resolve_token(token, what)
 

@@ -14,7 +14,6 @@ from typing import Any
 from .._control import handshake as c
 from .._control import wire as w
 from .._loop.native import check, ffi, lib
-from ..errors import InvalidArgument
 from .base import AgentView, Dial, Link, SessionView, Transport
 
 
@@ -36,9 +35,7 @@ class TcpTransport(Transport):
 
     def __init__(self, agent: AgentView, options: dict[str, Any]) -> None:
         super().__init__(agent, options)
-        stall = options.get("stall_timeout", 10.0)
-        if not stall > 0:
-            raise InvalidArgument(f"Agent(stall_timeout={stall}): must be > 0")
+        stall = options.get("stall_timeout", 10.0)  # checked by Agent
         native = agent.engine.native
         lib.hx_agent_set_stall(native, int(stall * 1e9))
         interval, timeout = options.get("heartbeat", (1.0, 5.0))
