@@ -74,7 +74,7 @@ def slice_range(key: Any, length: int, what: str, of: _Labelled) -> tuple[int, i
         raise TypeError(f"{what.format(of.label())}[...] takes a slice like [start:stop], not {type(key).__name__}")
     start, stop, step = key.start, key.stop, key.step
     if step is not None and step != 1:
-        raise UnsupportedMemory(f"{what.format(of.label())}[...]: a step of {step} is not contiguous")
+        raise UnsupportedMemory(f"{what.format(of.label())}[...]: a step of {step!r} is not contiguous")
     try:
         start = 0 if start is None else operator.index(start)
         stop = length if stop is None else operator.index(stop)

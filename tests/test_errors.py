@@ -40,6 +40,12 @@ async def test_an_address_that_is_no_string_is_invalid_argument(agent, address):
         await agent.connect(address, token="t")
 
 
+async def test_a_host_the_resolver_cannot_be_given_is_invalid_argument(agent):
+    for host in ("\udcff", "a" * 64 + ".example"):  # not encodable; a label over 63 characters
+        with pytest.raises(aiohixl.InvalidArgument, match="is no host name"):
+            await agent.connect(f"{host}:5000", token="t")
+
+
 async def _serve_once(reply: bytes) -> tuple[asyncio.AbstractServer, int]:
     """A listener of another protocol: it answers the first bytes it reads with ``reply``."""
 

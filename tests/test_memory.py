@@ -251,6 +251,12 @@ async def test_slices_are_read_only_and_odd_keys_get_clear_errors(agent):
         RegionSlice(region, -1, 4)
 
 
+async def test_a_step_of_the_wrong_type_is_named_as_given(agent):
+    region = agent.allocate(16)
+    with pytest.raises(aiohixl.UnsupportedMemory, match="a step of '1' is not contiguous"):
+        region[::"1"]
+
+
 async def test_duplicate_name_refused(agent):
     agent.allocate(10, name="kv")
     with pytest.raises(aiohixl.InvalidArgument, match="already registered"):

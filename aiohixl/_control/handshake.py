@@ -107,7 +107,12 @@ def parse_address(address: str, what: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise InvalidArgument(f"{what}: address {address!r} is not 'host:port'")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    host = host.strip("[]")
+    try:
+        host.encode("idna")  # what the resolver will be given
+    except UnicodeError:
+        raise InvalidArgument(f"{what}: {host!r} is no host name") from None
+    return host or "0.0.0.0", int(port)
 
 
 async def connect_tcp(host: str, port: int, what: str) -> Any:
