@@ -99,22 +99,16 @@ class Agent:
         _args.integer(max_notifications, "Agent", "max_notifications", 1, 1 << 20)
         _args.integer(rdma_timeout, "Agent", "rdma_timeout", 1, 31)
         _args.integer(rdma_retry_count, "Agent", "rdma_retry_count", 0, 7)
-        for arg, value in (("rdma_port", rdma_port), ("rdma_gid_index", rdma_gid_index)):
-            if value is not None:
-                _args.integer(value, "Agent", arg, 0 if arg == "rdma_gid_index" else 1, 255)
+        if rdma_port is not None:
+            _args.integer(rdma_port, "Agent", "rdma_port", 1, 255)
+        if rdma_gid_index is not None:
+            _args.integer(rdma_gid_index, "Agent", "rdma_gid_index", 0, 255)
         if rdma_device is not None:
             _args.text(rdma_device, "Agent", "rdma_device", 64)
         _args.seconds(stall_timeout, "Agent", "stall_timeout", _args.FOREVER)
         _args.seconds(heartbeat_interval, "Agent", "heartbeat_interval", _args.FOREVER)
         _args.seconds(heartbeat_timeout, "Agent", "heartbeat_timeout", _args.FOREVER)
-        if (
-            not isinstance(busy_poll_us, int)
-            or isinstance(busy_poll_us, bool)
-            or not 0 <= busy_poll_us <= _BUSY_POLL_MAX_US
-        ):
-            raise InvalidArgument(
-                f"Agent(busy_poll_us={busy_poll_us!r}): must be an int in [0, {_BUSY_POLL_MAX_US}] (0: off)"
-            )
+        _args.integer(busy_poll_us, "Agent", "busy_poll_us", 0, _BUSY_POLL_MAX_US)  # 0: off
         if not 0 < heartbeat_interval < heartbeat_timeout:
             raise InvalidArgument(
                 f"Agent(heartbeat_interval={heartbeat_interval}, heartbeat_timeout={heartbeat_timeout}):"
