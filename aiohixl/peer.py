@@ -78,6 +78,7 @@ class Peer(metaclass=NoPublicConstructor):
     async def region(self, name: str) -> RemoteRegion:
         """The region the peer published under ``name``."""
         _args.text(name, "Peer.region", "name", w.MAX_STR)
+        self._engine.check_loop("Peer.region")  # its answer would wake another loop's waiter
         self._check_open("Peer.region")
         core = self._core
         if core.session is None:
@@ -101,6 +102,7 @@ class Peer(metaclass=NoPublicConstructor):
 
     async def path(self, remote: RemoteRef) -> str:
         """How ops on ``remote`` travel: "shm-memfd", "shm-cma", "verbs", "tcp" or "loopback"."""
+        self._engine.check_loop("Peer.path")
         rs = self._remote_slice(remote, "Peer.path")
         return (await self._core.route(rs.region.info, "Peer.path"))[1]
 
@@ -465,6 +467,7 @@ class Peer(metaclass=NoPublicConstructor):
 
     async def aclose(self) -> None:
         """Close the peer; its outstanding ops fail with ClosedError."""
+        self._engine.check_loop("Peer.aclose")
         await self._core.aclose()
 
     def __repr__(self) -> str:

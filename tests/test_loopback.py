@@ -326,8 +326,12 @@ async def test_calls_that_change_the_agent_are_refused_from_another_thread(agent
     """The contract (Agent's docstring): what changes an agent raises WrongEventLoop off its
     loop, before anything is made; the read-only queries answer from any thread."""
     region = agent.allocate(4096, name="kv")
-    agent.loopback()  # bound to this loop (the fixture started it)
+    peer = agent.loopback()  # bound to this loop (the fixture started it)
+    remote = await peer.region("kv")
     calls = {
+        "Peer.region": lambda: asyncio.run(peer.region("kv")),
+        "Peer.path": lambda: asyncio.run(peer.path(remote)),
+        "Peer.aclose": lambda: asyncio.run(peer.aclose()),
         "Agent.allocate": lambda: agent.allocate(64),
         "Agent.register": lambda: agent.register(bytearray(64)),
         "Agent.allocate_async": lambda: asyncio.run(agent.allocate_async(64)),
@@ -349,7 +353,7 @@ async def test_calls_that_change_the_agent_are_refused_from_another_thread(agent
 
     before = len(hooks.live_regions(agent))
     assert await asyncio.to_thread(elsewhere) == dict.fromkeys(calls, True)
-    assert len(hooks.live_regions(agent)) == before and not agent.closed and not region.closed
+    assert len(hooks.live_regions(agent)) == before and not agent.closed and not region.closed and not peer.closed
     stats, outstanding, view = await asyncio.to_thread(lambda: (agent.stats(), agent.outstanding, region.memory))
     assert stats["outstanding"] == outstanding == 0 and len(view) == 4096
 
