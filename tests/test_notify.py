@@ -203,16 +203,6 @@ async def test_ordered_per_sender_none_lost_from_four_senders():
         await target.aclose()
 
 
-async def _sends_end(sends: list[asyncio.Task[None]], collect: asyncio.Task[dict], peer: aiohixl.Peer) -> None:
-    """The sends end as the target's collect takes their messages: one that fails is raised
-    at once, not found as the collect's timeout (which says nothing of why)."""
-    try:
-        await all_end(sends, 120, lambda: f"peer.broken={peer.broken!r}")
-    except BaseException:
-        collect.cancel()
-        raise
-
-
 async def _received_at_least(target: Target, n: int) -> bool:
     return (await target.state())["received"] >= n
 
@@ -233,7 +223,7 @@ async def test_a_full_queue_holds_senders_back_and_loses_nothing():
             assert received < 100, "a full queue must hold senders back"
             assert sum(t.done() for t in sends) <= received  # a notify returns once queued there
             collect = asyncio.create_task(target.cmd(op="collect", n=100))
-            await _sends_end(sends, collect, peer)
+            await all_end(sends, 120, lambda: f"peer.broken={peer.broken!r}", collect)
             reply = await collect
             assert [d for _, d in reply["notes"]] == [f"m{i}" for i in range(100)]
             assert reply["dropped"] == 0
@@ -268,7 +258,7 @@ async def test_a_full_doorbell_ring_holds_the_sender_back_in_order():
             assert not blocked.done(), "the target's loop ran: the test proves nothing"
             await blocked
             collect = asyncio.create_task(target.cmd(op="collect", n=n))
-            await _sends_end(sends, collect, peer)
+            await all_end(sends, 120, lambda: f"peer.broken={peer.broken!r}", collect)
             reply = await collect
             assert [d for _, d in reply["notes"]] == [f"m{i}" for i in range(n)]
             assert reply["dropped"] == 0

@@ -43,12 +43,17 @@ def wait_until_sync(predicate: Callable[[], object], timeout: float = 30.0, what
         time.sleep(0.02)
 
 
-async def all_end(tasks: list[asyncio.Task[object]], timeout: float, state: Callable[[], str]) -> None:
-    """Wait for ``tasks`` (asyncio). The first that fails is raised at once; any still running
-    after ``timeout`` seconds fail the test with ``state()`` (the sender's side of it): else a
-    collect waiting beside them would wait out its own timeout and say neither."""
+async def all_end(
+    tasks: list[asyncio.Task[object]], timeout: float, state: Callable[[], str], beside: asyncio.Task[object]
+) -> None:
+    """Wait for ``tasks`` (asyncio) while ``beside`` (a collect of what they send) runs. The
+    first that fails is raised at once; any still running after ``timeout`` seconds fail the
+    test with ``state()`` (the sender's side of it): else ``beside`` would wait out its own
+    timeout and say neither. Either way ``beside`` is cancelled then."""
     done, pending = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
     failed = [t.exception() for t in done if t.exception() is not None]
+    if failed or pending:
+        beside.cancel()
     if failed:
         raise failed[0]
     if pending:

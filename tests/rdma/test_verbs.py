@@ -165,11 +165,7 @@ async def test_a_full_queue_holds_verbs_senders_back_and_loses_nothing():
             assert received < total and sum(t.done() for t in sends) < total, "a full queue must hold the sender back"
             collect = asyncio.create_task(target.cmd(op="collect", n=total, timeout=300))
             # The sends end as the target takes the messages (one that failed: the queue pair broke).
-            try:
-                await all_end(sends, 240, lambda: f"peer.broken={peer.broken!r}, {a.stats()}")
-            except BaseException:
-                collect.cancel()
-                raise
+            await all_end(sends, 240, lambda: f"peer.broken={peer.broken!r}, {a.stats()}", collect)
             reply = await collect
             # Each kind in its order (the tasks race one another, so not interleaved).
             assert [d for _, d in reply["notes"] if d] == [f"m{i}" for i in range(0, total, 2)]
