@@ -118,6 +118,13 @@ void hx_agent_set_heartbeat(hx_agent *a, uint64_t interval_ns, uint64_t timeout_
  * answer, so the op can end inline (HX_DONE_INLINE) with no thread woken.
  * Set before the first tcp connection. */
 void hx_agent_set_busy_poll(hx_agent *a, uint32_t us);
+/* tcp: how a put's payload of 64 KiB or more leaves: copied in by sendmsg
+ * (the default) or spliced from its pages (docs/tcp.md, "Sending"). Set
+ * before the first tcp connection. */
+enum { HX_TCP_SEND_SPLICE = 0, HX_TCP_SEND_COPY = 1 };
+void hx_agent_set_tcp_send(hx_agent *a, int way);
+/* tcp: bytes of such puts' frames sent by splice and by copy so far. */
+void hx_tcp_send_stats(hx_agent *a, uint64_t *spliced, uint64_t *copied);
 /* Stops accepting work, fails queued work with HX_E_CLOSED, waits for work
  * already touching memory, joins native threads. Safe to call twice. */
 void hx_agent_shutdown(hx_agent *a);

@@ -55,3 +55,9 @@ def text(value: Any, what: str, arg: str, max_bytes: int) -> str:
     if "\x00" in value:
         raise InvalidArgument(f"{what}: {arg}={value!r} holds a NUL character")
     return value
+
+
+def choice(value: Any, what: str, arg: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise InvalidArgument(f"{what}: {arg} must be one of {', '.join(map(repr, choices))}, not {value!r}")
+    return value

@@ -67,6 +67,12 @@ class Agent:
     its answer, ending inline (its Future is already done) with no thread to
     wake. It costs CPU (a core's worth while ops keep coming); nothing spins
     with it off. Set it on both sides for the lowest latency.
+    ``tcp_send`` says how a tcp put's payload of 64 KiB or more leaves:
+    "copy" (the default: sendmsg copies it into the socket) or "splice" (the
+    kernel takes its pages, so the sender copies nothing). Which is faster
+    depends on the host; ``python -m aiohixl bench`` measures both
+    (docs/tcp.md, "Sending").
+    ``stats()["tcp_send"]`` says how many bytes went each way.
     """
 
     def __init__(
@@ -88,6 +94,7 @@ class Agent:
         stall_timeout: float = 10.0,
         max_notifications: int = 4096,
         busy_poll_us: int = 0,
+        tcp_send: str = "copy",
     ) -> None:
         allowed = transport_names(transports, "Agent(transports=...)")
         if name is not None:
@@ -109,6 +116,7 @@ class Agent:
         _args.seconds(heartbeat_interval, "Agent", "heartbeat_interval", _args.FOREVER)
         _args.seconds(heartbeat_timeout, "Agent", "heartbeat_timeout", _args.FOREVER)
         _args.integer(busy_poll_us, "Agent", "busy_poll_us", 0, _BUSY_POLL_MAX_US)  # 0: off
+        _args.choice(tcp_send, "Agent", "tcp_send", ("copy", "splice"))
         if not 0 < heartbeat_interval < heartbeat_timeout:
             raise InvalidArgument(
                 f"Agent(heartbeat_interval={heartbeat_interval}, heartbeat_timeout={heartbeat_timeout}):"
@@ -126,6 +134,7 @@ class Agent:
             rdma_retry_count=rdma_retry_count,
             stall_timeout=stall_timeout,
             busy_poll_us=busy_poll_us,
+            tcp_send=tcp_send,
         )
         heartbeat = (heartbeat_interval, heartbeat_timeout)
         core = AgentCore(self, name, allowed, heartbeat, max_inflight, copy_threads, max_notifications, options)

@@ -122,6 +122,8 @@ async def test_notification_arguments_are_checked_by_name(agent):
         ({"rdma_timeout": 0}, r"rdma_timeout=0 must be in \[1, 31\]"),
         ({"rdma_retry_count": "7"}, "rdma_retry_count must be an int"),
         ({"rdma_port": "x"}, "rdma_port must be an int"),
+        ({"tcp_send": "auto"}, "tcp_send must be one of 'copy', 'splice', not 'auto'"),
+        ({"tcp_send": ["copy"]}, "tcp_send must be one of"),
         ({"stall_timeout": float("inf")}, "stall_timeout=inf must be in"),
         ({"heartbeat_timeout": float("nan")}, "heartbeat_timeout=nan must be in"),
         ({"transports": 123}, "choose 'auto' or a tuple"),

@@ -94,15 +94,17 @@ def pipes() -> int:
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_a_large_puts_memory_is_free_to_change_once_it_completes(pair):
-    """Large puts hand the kernel their pages (splice through a pipe the connection makes for
-    it) instead of copying them into the socket: one that completed has been read by the
-    target, so the source may be rewritten at once. One buffer, rewritten after each put,
-    lands as it was at each put (odd sizes and offsets too: pieces that do not fill a page)."""
+@pytest.mark.parametrize("way", ["copy", "splice"])
+async def test_a_large_puts_memory_is_free_to_change_once_it_completes(pair, way):
+    """Large puts are copied into the socket (the default) or, with tcp_send="splice", hand the
+    kernel their pages through a pipe the connection makes for it: either way one that completed
+    has been read by the target, so the source may be rewritten at once. One buffer, rewritten
+    after each put, lands as it was at each put (odd sizes and offsets too: pieces that do not
+    fill a page), and stats() counts the bytes under the way they went."""
     kv, target = pair["kv"], pair["target"]
 
     buf = np.zeros(3 << 20, dtype=np.uint8)
-    async with aiohixl.Agent("splicer", token=TOKEN, transports=TCP) as agent:
+    async with aiohixl.Agent("sender", token=TOKEN, transports=TCP, tcp_send=way) as agent:
         peer = await agent.connect(target.address)
         src = agent.register(buf)
         before = pipes()
@@ -111,9 +113,18 @@ async def test_a_large_puts_memory_is_free_to_change_once_it_completes(pair):
             buf[:] = pattern(len(buf), 40 + i)
             await peer.put(kv[i * (4 << 20) : i * (4 << 20) + size], src[at : at + size])
             buf[:] = 0xEE  # what the target must never see
-        assert pipes() == before + 2
+        assert pipes() == before + (2 if way == "splice" else 0)
         for i, (at, size) in enumerate(cases):
             assert await target.hash("kv", i * (4 << 20), size) == sha(pattern(len(buf), 40 + i)[at : at + size])
+        sent = agent.stats()["tcp_send"]
+        # Counted: the frames (1 MiB chunks of a put) with 64 KiB or more, and their headers.
+        chunks = [min(size - o, 1 << 20) for _, size in cases for o in range(0, size, 1 << 20)]
+        payloads = sum(n for n in chunks if n >= 64 << 10)
+        assert payloads < sent["spliced"] + sent["copied"] < payloads + 4096
+        if way == "copy":
+            assert sent["spliced"] == 0
+        else:  # a tail under 64 KiB left by a short splice is copied
+            assert sent["copied"] < len(cases) * (64 << 10)
 
 
 async def test_an_agent_holds_at_most_16_splice_pipes_and_sends_the_rest_by_copy():
@@ -126,7 +137,7 @@ async def test_an_agent_holds_at_most_16_splice_pipes_and_sends_the_rest_by_copy
             for i in range(18)
         ]
         kvs = [t.allocate(size, name="kv") for t in targets]
-        agent = await stack.enter_async_context(aiohixl.Agent("many", token=TOKEN, transports=TCP))
+        agent = await stack.enter_async_context(aiohixl.Agent("many", token=TOKEN, transports=TCP, tcp_send="splice"))
         src = agent.register(pattern(size, 5))
         peers = [await agent.connect(t.address) for t in targets]
         before = pipes()

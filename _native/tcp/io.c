@@ -663,6 +663,7 @@ static int tcp_init(hx_agent *a)
         return HX_E_NOMEM;
     pthread_mutex_init(&t->lock, NULL);
     t->stall_ns = 10ull * 1000000000ull;
+    t->way = TCP_WAY_COPY;
     a->state[HX_TRANSPORT_TCP] = t;
     return HX_OK;
 }
@@ -700,6 +701,18 @@ const hx_transport hx_tcp_transport = {.name = "tcp",
 void hx_agent_set_stall(hx_agent *a, uint64_t ns) { T(a)->stall_ns = ns; }
 
 void hx_agent_set_busy_poll(hx_agent *a, uint32_t us) { T(a)->busy_ns = (uint64_t)us * 1000u; }
+
+_Static_assert((int)HX_TCP_SEND_SPLICE == (int)TCP_WAY_SPLICE && (int)HX_TCP_SEND_COPY == (int)TCP_WAY_COPY,
+               "one numbering");
+
+void hx_agent_set_tcp_send(hx_agent *a, int way) { T(a)->way = (uint8_t)way; }
+
+void hx_tcp_send_stats(hx_agent *a, uint64_t *spliced, uint64_t *copied)
+{
+    tcp_agent *t = T(a);
+    *spliced = t ? atomic_load_explicit(&t->sent_by[TCP_WAY_SPLICE], memory_order_relaxed) : 0;
+    *copied = t ? atomic_load_explicit(&t->sent_by[TCP_WAY_COPY], memory_order_relaxed) : 0;
+}
 
 void hx_agent_set_heartbeat(hx_agent *a, uint64_t interval_ns, uint64_t timeout_ns)
 {

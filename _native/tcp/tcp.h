@@ -129,6 +129,7 @@ struct conn {
     int pipe_r, pipe_w;
     bool pipe_tried;
     uint64_t piped;
+    uint8_t way; /* initiator: how large puts' payloads leave (TCP_WAY_*, conn.c) */
     uint32_t events;
     bool broken;
     atomic_int fail_req; /* a failure another thread asked for */
@@ -198,6 +199,10 @@ typedef struct tcp_io {
  * stall_ns, is cut off: the region the frame touches is busy meanwhile, and
  * Region.close() waits for it. Live peers that merely have nothing to send
  * are never affected. */
+/* How a large put's payload leaves: spliced from its pages, or copied in by
+ * sendmsg. As hixl.h's HX_TCP_SEND_*. */
+enum { TCP_WAY_SPLICE = 0, TCP_WAY_COPY = 1 };
+
 typedef struct tcp_agent {
     pthread_mutex_t lock; /* io, and io->conns */
     tcp_io *io;
@@ -208,6 +213,9 @@ typedef struct tcp_agent {
      * the answer to a small op it sent itself (the op then ends inline). */
     uint64_t busy_ns;
     atomic_int pipes; /* initiator conns holding a splice pipe (conn.c: at most MAX_PIPES) */
+    uint8_t way;      /* Agent(tcp_send=...): each new conn's way (TCP_WAY_*) */
+    /* large puts' bytes sent each way (TCP_WAY_SPLICE, TCP_WAY_COPY): hx_tcp_send_stats */
+    atomic_uint_fast64_t sent_by[2];
 } tcp_agent;
 
 static inline tcp_agent *T(hx_agent *a) { return a->state[HX_TRANSPORT_TCP]; }

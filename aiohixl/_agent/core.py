@@ -133,7 +133,13 @@ class AgentCore:
                 "dropped": int(out.notes_dropped),
             },
             "outstanding": self.engine.outstanding,
+            "tcp_send": self._tcp_send(),
         }
+
+    def _tcp_send(self) -> dict[str, int]:
+        out = ffi.new("uint64_t[2]")
+        lib.hx_tcp_send_stats(self.engine.native, out, out + 1)
+        return {"spliced": int(out[0]), "copied": int(out[1])}
 
     # ---- lifetime ----
 

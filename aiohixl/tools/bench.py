@@ -24,6 +24,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
@@ -522,7 +524,8 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
     out: dict[str, Any] = {"latency": {}, "bandwidth": {}}
     max_size = max(plan.bw_sizes) * max(1, plan.inflight if max(plan.bw_sizes) <= 16 * MiB else 1)
     max_size = max(max_size, 256 * 4 * KiB)
-    async with aiohixl.Agent(f"bench-{name}", token=TOKEN) as agent:
+    async with AsyncExitStack() as stack:
+        agent = await stack.enter_async_context(aiohixl.Agent(f"bench-{name}", token=TOKEN))
         # shm-cma: user memory at both ends, numpy's as the peers' bench buffers are (malloc'd,
         # 16 bytes into a page): the same geometry for every contender on that path.
         local = agent.register(np.zeros(max_size, dtype=np.uint8)) if name == "shm-cma" else agent.allocate(max_size)
@@ -571,6 +574,7 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
                     agent, peer, target, remote, local, size, ops // ROUNDS, plan.rtt_seconds / 2
                 )
             progress.step(f"{name} notification latency {_fmt_size(size)}")
+        spliced = await stack.enter_async_context(_splicing(target, max_size)) if name == "tcp" else None
         for size in plan.bw_sizes:
             depth = plan.inflight if size * plan.inflight <= max_size else max(1, max_size // size)
             row: dict[str, Any] = {"one_gbps": await bandwidth(peer, remote, local, size, 1, plan.bw_seconds)}
@@ -606,6 +610,9 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
                 elapsed += time.perf_counter() - t0
                 cpu_s += (target.cpu() - cpu0) if target else 0.0
                 row["inflight_gbps"] = max(row["inflight_gbps"], many)
+                if spliced:  # the same puts with Agent(tcp_send="splice"), in the same rounds
+                    spl = await bandwidth(*spliced, size, depth, plan.bw_seconds / ROUNDS)
+                    row["splice_gbps"] = max(row.get("splice_gbps", 0.0), spl)
                 if in_turn:
                     turn = await bandwidth(peer, remote, local, size, depth, plan.bw_seconds / ROUNDS, in_turn=True)
                     row["in_turn_gbps"] = max(row["in_turn_gbps"], turn)
@@ -630,6 +637,18 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
             got = target.ask(f"hash {'udst' if name == 'shm-cma' else 'dst'} {max_size}")
         out["verified"] = got == want
     results.transports[name] = out
+
+
+@asynccontextmanager
+async def _splicing(target: TargetProcess | None, size: int) -> AsyncIterator[tuple[Any, Any, Any]]:
+    """A tcp peer of the target whose agent splices large puts (``tcp_send="splice"``), with its
+    remote and local regions (the same kinds as the default agent's)."""
+    assert target is not None
+    async with aiohixl.Agent("bench-tcp-splice", token=TOKEN, tcp_send="splice") as agent:
+        local = agent.allocate(size)
+        np.frombuffer(local.memory, dtype=np.uint8)[:] = np.random.default_rng(6).integers(0, 256, size, dtype=np.uint8)
+        peer = await agent.connect(target.address, transports=("tcp",))
+        yield peer, await peer.region("dst"), local
 
 
 async def busy_poll_latency(plan: Plan, size: int) -> dict[str, dict[str, float]]:
@@ -1013,6 +1032,13 @@ def render(r: Results) -> str:
             )
             if streamed:
                 lines.append(f"  the same against the blocking stream timed in the same {ROUNDS} rounds: {streamed}")
+            spliced = ", ".join(
+                f"{size} {v['splice_gbps']:.2f} GB/s ({v['splice_gbps'] / v['inflight_gbps']:.2f}x)"
+                for size, v in t["bandwidth"].items()
+                if v.get("splice_gbps") and v.get("inflight_gbps")
+            )
+            if spliced:
+                lines.append(f"  N in flight with tcp_send='splice', same rounds (x the default, copy): {spliced}")
             failed = {v["stream_beside_error"] for v in t["bandwidth"].values() if v.get("stream_beside_error")}
             if failed:
                 lines.append(f"  the blocking stream in the same rounds: not measured ({'; '.join(sorted(failed))})")
