@@ -386,13 +386,15 @@ async def rtt_beside(peer: Any, remote: Any, local: Any, size: int, ops: int, se
 async def notify_beside(
     agent: Any, peer: Any, target: Any, remote: Any, local: Any, size: int, ops: int, seconds: float
 ) -> dict[str, Any]:
-    """``put(notify=)`` -> ``notification()``, the put alone and the asyncio one-way wake-up
-    (``wake_floor``) timed in alternating rounds, each keeping its best median: the ratios of
-    the notify rows, free of the machine's drift between the baselines and this path."""
-    note = put = floor = math.inf
+    """``put(notify=)`` -> ``notification()``, the put alone, and the native and asyncio
+    one-way wake-ups (``wake_floor``) timed in alternating rounds, each keeping its best median:
+    the ratios of the notify rows, free of the machine's drift between the baselines and this
+    path."""
+    note = put = floor = wake = math.inf
     for _ in range(ROUNDS):
         try:
             floor = min(floor, baselines.asyncio_wake_rtt_us(seconds)["median"] / 2)
+            wake = min(wake, baselines.wake_rtt_us(seconds)["median"] / 2)
         except OSError as exc:  # said, as a baseline that failed is: the rest of the run goes on
             return {"error": str(exc)}
         put = min(put, (await latency(peer, "put", remote, local, size, ops))["median_us"])
@@ -402,6 +404,8 @@ async def notify_beside(
         "put_median_us": put,
         "asyncio_wake_us": floor,
         "beyond_over_asyncio_wake": (note - put) / floor,
+        "native_wake_us": wake,
+        "beyond_over_native_wake": (note - put) / wake,
         "over_put": note / put,
         "rounds": ROUNDS,
     }
@@ -1069,6 +1073,12 @@ def render(r: Results) -> str:
                     f" {side['median_us']:.1f} us, the put alone {side['put_median_us']:.1f} us"
                     f" ({side['over_put']:.2f}x), the asyncio one-way wake-up {side['asyncio_wake_us']:.1f} us:"
                     f" beyond the put {side['beyond_over_asyncio_wake']:.2f}x it"
+                    + (
+                        f"; the native one-way wake-up {side['native_wake_us']:.1f} us:"
+                        f" {side['beyond_over_native_wake']:.2f}x it"
+                        if "native_wake_us" in side
+                        else ""
+                    )
                 )
     for name, why in r.skipped.items():
         lines += ["", f"{name}: not measured: {why}"]
