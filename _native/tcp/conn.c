@@ -82,7 +82,7 @@ static bool large(const conn *c, const frame *f)
 /* The payload of f still to go out from offset `at` goes by splice. */
 static bool splices(const conn *c, const frame *f, uint64_t at)
 {
-    return c->pipe_w >= 0 && large(c, f) && f->datalen - at >= SPLICE_MIN && c->way == TCP_WAY_SPLICE;
+    return c->pipe_w >= 0 && large(c, f) && f->datalen - at >= SPLICE_MIN;
 }
 
 /* The iovecs of what is unsent, from the first unsent frame on, up to a
@@ -137,7 +137,6 @@ static void open_pipe(conn *c)
     return;
 none:
     atomic_fetch_sub(&t->pipes, 1);
-    c->way = TCP_WAY_COPY;
 }
 
 static void close_pipe(conn *c)
@@ -149,7 +148,6 @@ static void close_pipe(conn *c)
     }
     c->pipe_r = c->pipe_w = -1;
     c->piped = 0;
-    c->way = TCP_WAY_COPY; /* no pipe, nothing to splice through */
 }
 
 /* splice into the socket, which (unlike sendmsg's MSG_NOSIGNAL) raises
@@ -249,7 +247,7 @@ static int flush(hx_agent *a, conn *c, uint64_t budget, bool unlocked)
     if (c->tx_io)
         return HX_OK; /* the I/O thread is sending: it goes on with what was queued meanwhile */
     while (c->unsent && !c->broken && budget) {
-        if (!c->pipe_tried && c->way == TCP_WAY_SPLICE && large(c, c->unsent))
+        if (!c->pipe_tried && T(a)->way == TCP_WAY_SPLICE && large(c, c->unsent))
             open_pipe(c);
         if (unlocked) {
             c->tx_io = true;
@@ -419,7 +417,6 @@ conn *tcp_conn_new(hx_agent *a, int fd, const tcp_role *role, uint64_t session)
     c->target = role->target;
     c->session = session;
     c->pipe_r = c->pipe_w = -1;
-    c->way = T(a)->way;
     atomic_init(&c->fail_req, 0);
     atomic_init(&c->freeing, false);
     atomic_init(&c->heard_ns, 0);

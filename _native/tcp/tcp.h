@@ -129,7 +129,6 @@ struct conn {
     int pipe_r, pipe_w;
     bool pipe_tried;
     uint64_t piped;
-    uint8_t way; /* initiator: how large puts' payloads leave (TCP_WAY_*, conn.c) */
     uint32_t events;
     bool broken;
     atomic_int fail_req; /* a failure another thread asked for */
@@ -213,7 +212,7 @@ typedef struct tcp_agent {
      * the answer to a small op it sent itself (the op then ends inline). */
     uint64_t busy_ns;
     atomic_int pipes; /* initiator conns holding a splice pipe (conn.c: at most MAX_PIPES) */
-    uint8_t way;      /* Agent(tcp_send=...): each new conn's way (TCP_WAY_*) */
+    uint8_t way;      /* Agent(tcp_send=...): how large puts' payloads leave (TCP_WAY_*, conn.c) */
     /* large puts' bytes sent each way (TCP_WAY_SPLICE, TCP_WAY_COPY): hx_tcp_send_stats */
     atomic_uint_fast64_t sent_by[2];
 } tcp_agent;
