@@ -83,6 +83,11 @@ class Proc:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to its whole process group (SIGSTOP / SIGCONT: vLLM's engine processes too)."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, sig)
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Kill its whole process group (vLLM's engine and worker processes too) and reap it."""
         if self.proc is None:

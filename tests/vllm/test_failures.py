@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import signal
 import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from .conftest import Cluster, Server, http_json, wait_until
 from .test_correctness import body, prompt, tokens
@@ -35,7 +37,21 @@ def when_pushing(cluster: Cluster, before: set[str]) -> str:
         "a new transfer's first put",
         lambda: next(iter(transfers(cluster.trace, "pt", "first_put") - before), None),
         120,
+        every=0.002,
     )
+
+
+def stopped_mid_transfer(cluster: Cluster, before: set[str]) -> bool:
+    """Stops the tcp prefill instance (SIGSTOP) as it pushes the transfer it started after
+    ``before``: True with the instance stopped and that transfer unfinished. A transfer can be
+    over within 0.2 s of its first put (15 steps on a fast host): then the instance is let go on
+    (SIGCONT) and False says so; the caller tries another request."""
+    transfer = when_pushing(cluster, before)
+    cluster.pt.send_signal(signal.SIGSTOP)
+    if transfer not in transfers(cluster.trace, "pt", "last_put_done"):
+        return True
+    cluster.pt.send_signal(signal.SIGCONT)
+    return False
 
 
 def post_in_thread(url: str, ids: list[int]) -> concurrent.futures.Future[tuple[int, object]]:
@@ -93,11 +109,16 @@ def test_decode_killed_mid_transfer(cluster: Cluster) -> None:
 
 def test_prefill_killed_mid_transfer(cluster: Cluster) -> None:
     url = cluster.proxy_tcp.url  # type: ignore[attr-defined]
-    ids = prompt(LONG, seed=22)
-    before = transfers(cluster.trace, "pt", "first_put")
-    t0 = time.monotonic()
-    answer = post_in_thread(url, ids)
-    when_pushing(cluster, before)
+    for seed in range(22, 22 + 5 * 100, 100):
+        ids = prompt(LONG, seed=seed)
+        before = transfers(cluster.trace, "pt", "first_put")
+        t0 = time.monotonic()
+        answer = post_in_thread(url, ids)
+        if stopped_mid_transfer(cluster, before):
+            break
+        assert answer.result(120)[0] == 200  # over before it was stopped: another prompt
+    else:
+        pytest.fail("each of 5 transfers was over before the prefill instance could be stopped")
     cluster.pt.kill()
     status, out = answer.result(120)  # decode's waiting request fails: it never waits forever
     assert status == 502, out
@@ -109,18 +130,27 @@ def test_prefill_killed_mid_transfer(cluster: Cluster) -> None:
 
 def test_client_abort_mid_transfer(cluster: Cluster) -> None:
     url = cluster.proxy_tcp.url  # type: ignore[attr-defined]
-    ids = prompt(LONG, seed=23)
-    before = transfers(cluster.trace, "pt", "first_put")
 
     async def abort() -> None:
+        loop = asyncio.get_running_loop()
         async with aiohttp.ClientSession() as s:
-            request = asyncio.ensure_future(s.post(f"{url}/v1/completions", json=body(ids, stream=True)))
-            await asyncio.get_running_loop().run_in_executor(None, when_pushing, cluster, before)
+            for seed in range(23, 23 + 5 * 100, 100):
+                ids = prompt(LONG, seed=seed)
+                before = transfers(cluster.trace, "pt", "first_put")
+                request = asyncio.ensure_future(s.post(f"{url}/v1/completions", json=body(ids, stream=True)))
+                if await loop.run_in_executor(None, stopped_mid_transfer, cluster, before):
+                    break
+                async with await request as answer:  # over before it was stopped: another prompt
+                    await answer.read()
+            else:
+                pytest.fail("each of 5 transfers was over before the prefill instance could be stopped")
             request.cancel()  # the client goes away mid-transfer
             try:
                 (await request).close()
             except asyncio.CancelledError:
                 pass
+            finally:
+                cluster.pt.send_signal(signal.SIGCONT)  # the instance goes on, its client gone
 
     asyncio.run(abort())
     # Both sides free the request's blocks...
