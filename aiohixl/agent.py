@@ -216,14 +216,16 @@ class Agent:
         return self._core.closed
 
     def stats(self) -> dict[str, Any]:
-        """Counters kept natively since the agent was made, read in one call (cheap: no lock).
-        Safe from any thread (a metrics exporter's), unlike the methods that change the agent.
+        """Counters kept natively since the agent was made (cheap: no lock). Safe from any
+        thread (a metrics exporter's), unlike the methods that change the agent.
 
         ``{"transports": {name: {"ops", "bytes", "errors"}}, "notifications": {"received",
-        "sent", "dropped"}, "outstanding": n}``: ops (and their bytes) posted through this
-        agent's peers per transport, errors (posts refused natively and ops that failed),
-        notifications queued here, sent by this agent's peers, and dropped; ops outstanding
-        now. Checks done in Python before an op reaches the native layer are not counted.
+        "sent", "dropped"}, "outstanding": n, "tcp_send": {"spliced", "copied"}}``: ops (and
+        their bytes) posted through this agent's peers per transport, errors (posts refused
+        natively and ops that failed), notifications queued here, sent by this agent's peers,
+        and dropped; ops outstanding now; bytes of tcp puts' frames of 64 KiB or more sent each
+        way (``tcp_send``). Checks done in Python before an op reaches the native layer are not
+        counted.
         """
         self._core.check_open("Agent.stats")
         return self._core.stats()
