@@ -118,6 +118,12 @@ void hx_agent_set_heartbeat(hx_agent *a, uint64_t interval_ns, uint64_t timeout_
  * answer, so the op can end inline (HX_DONE_INLINE) with no thread woken.
  * Set before the first tcp connection. */
 void hx_agent_set_busy_poll(hx_agent *a, uint32_t us);
+/* tcp: after reading peers' requests the I/O thread polls us microseconds
+ * (20 by default, 0: never) for the next before it blocks, while they come
+ * within 5 x us of each other: a request to a blocked thread pays for waking
+ * it, and an idle agent still costs nothing. Set before the first tcp
+ * connection. */
+void hx_agent_set_serve_poll(hx_agent *a, uint32_t us);
 /* tcp: how a put's payload of 64 KiB or more leaves: copied in by sendmsg
  * (the default) or spliced from its pages (docs/tcp.md, "Sending"). Set
  * before the first tcp connection. */

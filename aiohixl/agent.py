@@ -65,8 +65,13 @@ class Agent:
     this many microseconds after activity before it sleeps, and a small put or
     get whose request the calling thread sent itself polls up to this long for
     its answer, ending inline (its Future is already done) with no thread to
-    wake. It costs CPU (a core's worth while ops keep coming); nothing spins
-    with it off. Set it on both sides for the lowest latency.
+    wake. It costs CPU (a core's worth while ops keep coming); with it off
+    only the short poll below runs. Set it on both sides for the lowest latency.
+    ``serve_poll_us`` (20 by default, 0: never): after reading peers' tcp
+    requests, the I/O thread polls that long for the next before it sleeps,
+    as long as they come within five times that of each other; a request to
+    a sleeping thread pays for waking it (docs/tcp.md, "The target's poll").
+    Sparser requests, and an idle agent, cost nothing.
     ``tcp_send`` says how a tcp put's payload of 64 KiB or more leaves:
     "copy" (the default: sendmsg copies it into the socket) or "splice" (the
     kernel takes its pages, so the sender copies nothing). Which is faster
@@ -94,6 +99,7 @@ class Agent:
         stall_timeout: float = 10.0,
         max_notifications: int = 4096,
         busy_poll_us: int = 0,
+        serve_poll_us: int = 20,
         tcp_send: str = "copy",
     ) -> None:
         allowed = transport_names(transports, "Agent(transports=...)")
@@ -116,6 +122,7 @@ class Agent:
         _args.seconds(heartbeat_interval, "Agent", "heartbeat_interval", _args.FOREVER)
         _args.seconds(heartbeat_timeout, "Agent", "heartbeat_timeout", _args.FOREVER)
         _args.integer(busy_poll_us, "Agent", "busy_poll_us", 0, _BUSY_POLL_MAX_US)  # 0: off
+        _args.integer(serve_poll_us, "Agent", "serve_poll_us", 0, _BUSY_POLL_MAX_US)  # 0: off
         _args.choice(tcp_send, "Agent", "tcp_send", ("copy", "splice"))
         if not 0 < heartbeat_interval < heartbeat_timeout:
             raise InvalidArgument(
@@ -134,6 +141,7 @@ class Agent:
             rdma_retry_count=rdma_retry_count,
             stall_timeout=stall_timeout,
             busy_poll_us=busy_poll_us,
+            serve_poll_us=serve_poll_us,
             tcp_send=tcp_send,
         )
         heartbeat = (heartbeat_interval, heartbeat_timeout)

@@ -752,10 +752,37 @@ async def test_timeout_raises_and_the_op_still_completes():
         assert await target.hash("kv", 0, 1 << 20) == sha(pattern(1 << 20, 6))
 
 
+@pytest.mark.parametrize("knob", ["busy_poll_us", "serve_poll_us"])
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "50", None, 1_000_001])
-async def test_busy_poll_us_is_validated(bad):
-    with pytest.raises(aiohixl.InvalidArgument, match=r"^Agent: busy_poll_us"):
-        aiohixl.Agent(busy_poll_us=bad)
+async def test_poll_windows_are_validated(knob, bad):
+    with pytest.raises(aiohixl.InvalidArgument, match=rf"^Agent: {knob}"):
+        aiohixl.Agent(**{knob: bad})
+
+
+@pytest.mark.parametrize("window_us", [0, 20, 300_000])
+async def test_a_target_polls_for_requests_only_while_they_come(window_us):
+    """serve_poll_us: after lone puts a target's I/O thread polls for the next request for the
+    window (a long one here, so that it shows in the process's CPU time even on a busy machine),
+    and not once they stop: an idle target costs nothing, whatever the window. 0: it never polls."""
+    async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, transports=TCP, serve_poll_us=window_us) as t:
+        t.allocate(1 << 16, name="kv")
+        async with aiohixl.Agent("i", token=TOKEN, transports=TCP, serve_poll_us=window_us) as agent:
+            peer = await agent.connect(t.address)
+            kv, src = await peer.region("kv"), agent.allocate(1 << 16)
+            for _ in range(50):
+                await peer.put(kv, src)
+            start = time.process_time()
+            await asyncio.sleep(0.2)
+            polled = time.process_time() - start
+            if window_us == 300_000:
+                assert polled > 0.02, f"the target's thread used {polled:.3f} s of CPU polling for 0.2 s"
+            elif window_us == 0:
+                assert polled < 0.02, f"the target's thread used {polled:.3f} s of CPU in 0.2 s without polling"
+            await asyncio.sleep(window_us / 1e6)
+            start = time.process_time()
+            await asyncio.sleep(1.0)
+            used = time.process_time() - start
+            assert used < 0.02, f"an idle target used {used:.3f} s of CPU in 1 s"
 
 
 async def test_latency_mode_ops_land_in_order_end_inline_and_fail_as_usual():

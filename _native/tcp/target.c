@@ -165,6 +165,7 @@ static int request(hx_agent *a, conn *c)
     c->rmore = c->rhdr[REQ_FLAGS] & REQ_MORE;
     if (q.op == W_PING)
         return enqueue_response(a, c, R_PONG, HX_OK, q.op_id, NULL, 0, NULL);
+    T(a)->io->requests++;
     if (q.op == W_NOTE)
         return note_request(a, c, &q);
     uint8_t *ptr = NULL;

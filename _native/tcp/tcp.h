@@ -176,6 +176,7 @@ struct conn {
 /* The I/O thread, started with the agent's first tcp connection. */
 typedef struct tcp_io {
     int payloads;       /* target conns in the middle of a PUT payload (I/O thread only) */
+    uint64_t requests;  /* peers' requests read, pings aside (I/O thread only): io.c's serve_poll */
     atomic_int targets; /* target conns: their answers must drain, so the stall check runs */
     int epfd;
     int evfd;
@@ -211,8 +212,9 @@ typedef struct tcp_agent {
      * activity before it blocks, and how long a submitting thread polls for
      * the answer to a small op it sent itself (the op then ends inline). */
     uint64_t busy_ns;
-    atomic_int pipes; /* initiator conns holding a splice pipe (conn.c: at most MAX_PIPES) */
-    uint8_t way;      /* Agent(tcp_send=...): how large puts' payloads leave (TCP_WAY_*, conn.c) */
+    uint64_t serve_ns; /* Agent(serve_poll_us=...): io.c's serve_poll() */
+    atomic_int pipes;  /* initiator conns holding a splice pipe (conn.c: at most MAX_PIPES) */
+    uint8_t way;       /* Agent(tcp_send=...): how large puts' payloads leave (TCP_WAY_*, conn.c) */
     /* large puts' bytes sent each way (TCP_WAY_SPLICE, TCP_WAY_COPY): hx_tcp_send_stats */
     atomic_uint_fast64_t sent_by[2];
 } tcp_agent;

@@ -43,6 +43,7 @@ class TcpTransport(Transport):
         interval, timeout = options.get("heartbeat", (1.0, 5.0))
         lib.hx_agent_set_heartbeat(native, int(interval * 1e9), int(timeout * 1e9))
         lib.hx_agent_set_busy_poll(native, options.get("busy_poll_us", 0))
+        lib.hx_agent_set_serve_poll(native, options.get("serve_poll_us", 20))
         lib.hx_agent_set_tcp_send(native, _TCP_SEND[options.get("tcp_send", "copy")])
 
     async def take_data_connection(self, ch: c.Channel, session: SessionView) -> bool:
