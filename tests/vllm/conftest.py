@@ -102,7 +102,7 @@ class Proc:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
         # The group outlives its leader while the engine's children exit.
-        wait_until(f"{self.name}'s processes to exit", lambda: not _group_alive(self.proc.pid), 60)  # type: ignore[union-attr]
+        wait_until(f"{self.name}'s processes to exit", lambda: not _group_alive(self.proc.pid), 60)
 
     def tail(self, n: int = 60) -> str:
         try:
