@@ -117,6 +117,11 @@ def test_bench_quick_writes_json(tmp_path):
     side = data["transports"]["tcp"]["rtt_beside"]
     assert side["rtt_us"] > 0 and side["ratio"] == side["put_us"] / side["rtt_us"]
     assert "against the blocking C round trip timed beside it" in proc.stdout and "timed beside, " in proc.stdout
+    off = data["transports"]["tcp"]["serve_poll_beside"]
+    assert set(off["sizes"]) == {"4 KiB", "64 KiB"} and off["rounds"] >= 2 and off["ops"] > 0
+    for v in off["sizes"].values():
+        assert v["default_us"] > 0 and v["off_over_default"] == v["off_us"] / v["default_us"]
+    assert "put to a target with serve_poll_us=0" in proc.stdout
     assert all(row["stream_beside_gbps"] > 0 for row in data["transports"]["tcp"]["bandwidth"].values())
     assert "against the blocking stream timed in the same" in proc.stdout
     # A stream that could not be timed beside the puts is said, not left out.

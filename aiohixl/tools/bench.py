@@ -119,8 +119,10 @@ class Progress:
 # ---------- the target process ----------
 
 
-async def serve(max_size: int, busy_poll_us: int = 0) -> None:
-    async with aiohixl.Agent("bench-target", listen="127.0.0.1:0", token=TOKEN, busy_poll_us=busy_poll_us) as agent:
+async def serve(max_size: int, busy_poll_us: int = 0, serve_poll_us: int = 20) -> None:
+    async with aiohixl.Agent(
+        "bench-target", listen="127.0.0.1:0", token=TOKEN, busy_poll_us=busy_poll_us, serve_poll_us=serve_poll_us
+    ) as agent:
         user = np.zeros(max_size, dtype=np.uint8)
         regions = {
             "dst": agent.allocate(max_size, name="dst"),  # memfd: mapped by same-host peers
@@ -343,8 +345,16 @@ async def notify_latency(
 
 
 class TargetProcess(LineChild):
-    def __init__(self, max_size: int, busy_poll_us: int = 0) -> None:
-        super().__init__("aiohixl.tools.bench", "--serve", str(max_size), "--serve-busy-poll", str(busy_poll_us))
+    def __init__(self, max_size: int, busy_poll_us: int = 0, serve_poll_us: int = 20) -> None:
+        super().__init__(
+            "aiohixl.tools.bench",
+            "--serve",
+            str(max_size),
+            "--serve-busy-poll",
+            str(busy_poll_us),
+            "--serve-poll",
+            str(serve_poll_us),
+        )
         self.address = self.first
 
     def cpu(self) -> float:
@@ -567,6 +577,8 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
                 peer, remote, local, baselines.RTT_REQUEST, plan.lat_ops // ROUNDS, plan.rtt_seconds / 2
             )
             progress.step(f"{name} put latency beside the C round trip")
+            out["serve_poll_beside"] = await serve_poll_beside(agent, peer, remote, local, plan.lat_ops // ROUNDS)
+            progress.step(f"{name} put latency with the target's poll off, beside")
         out["notify"] = {}
         for size in (4 * KiB, 1 * MiB):
             ops = plan.lat_ops // 5 if size > 64 * KiB else plan.lat_ops
@@ -653,6 +665,41 @@ async def _splicing(target: TargetProcess | None, size: int) -> AsyncIterator[tu
         np.frombuffer(local.memory, dtype=np.uint8)[:] = np.random.default_rng(6).integers(0, 256, size, dtype=np.uint8)
         peer = await agent.connect(target.address, transports=("tcp",))
         yield peer, await peer.region("dst"), local
+
+
+async def serve_poll_beside(agent: Any, peer: Any, remote: Any, local: Any, ops: int) -> dict[str, Any]:
+    """Lone puts to the bench's target (its tcp I/O thread polls ``serve_poll_us``, 20 us, for the
+    next request) and to a target process made with ``serve_poll_us=0`` (its thread blocks after
+    each), in alternating rounds: what waking the target's thread for every request costs on this
+    host (docs/tcp.md, "The target's poll"). Each is the median of all its rounds' puts, not the
+    best round's: which CPU the scheduler gives the blocking target's thread, the initiator's (no
+    wake-up to pay) or the other, holds for seconds, and a round is shorter."""
+    sizes = (4 * KiB, 64 * KiB)
+    off = TargetProcess(max(sizes), serve_poll_us=0)
+    try:
+        peer_off = await agent.connect(off.address, transports=("tcp",))
+        remote_off = await peer_off.region("dst")
+        arms = ((peer, remote), (peer_off, remote_off))
+        samples: dict[int, tuple[list[float], list[float]]] = {s: ([], []) for s in sizes}
+        clock = time.perf_counter
+        for _ in range(ROUNDS):
+            for s in sizes:
+                for (p, r), out in zip(arms, samples[s], strict=True):
+                    dst, src = r[:s], local[:s]
+                    for _ in range(min(ops, 100)):
+                        await p.put(dst, src)
+                    for _ in range(ops):
+                        t = clock()
+                        await p.put(dst, src)
+                        out.append(clock() - t)
+        await peer_off.aclose()
+    finally:
+        off.close()
+    result = {}
+    for s, (on, no) in samples.items():
+        on_us, off_us = statistics.median(on) * 1e6, statistics.median(no) * 1e6
+        result[_fmt_size(s)] = {"default_us": on_us, "off_us": off_us, "off_over_default": off_us / on_us}
+    return {"sizes": result, "rounds": ROUNDS, "ops": ROUNDS * ops}
 
 
 async def busy_poll_latency(plan: Plan, size: int) -> dict[str, dict[str, float]]:
@@ -966,6 +1013,16 @@ def render(r: Results) -> str:
                 f" {side['rounds']} alternating rounds (the best median of each):"
                 f" {side['put_us']:.1f} us / {side['rtt_us']:.1f} us = {side['ratio']:.2f}x"
             )
+        off = t.get("serve_poll_beside")
+        if off:
+            lines.append(
+                f"  put to a target with serve_poll_us=0 (its I/O thread blocks after each request), against the"
+                f" default, {off['rounds']} alternating rounds (the median of all {off['ops']} of each): "
+                + ", ".join(
+                    f"{size} {v['off_us']:.1f} us against {v['default_us']:.1f} ({v['off_over_default']:.2f}x)"
+                    for size, v in off["sizes"].items()
+                )
+            )
         lines.append(
             "  bandwidth (put)    1 in flight    1 at a time over N   N in flight    N/1 over N   vs its physical limit"
         )
@@ -1158,7 +1215,7 @@ async def bench(args: argparse.Namespace) -> Results:
         results.skipped = {name: missing[name] for name in args.transports if name in missing}
         transports = [name for name in args.transports if name not in missing]
     steps = 5 + 4 * len(plan.bw_sizes) + len(transports) * (2 * len(plan.lat_sizes) + len(plan.bw_sizes) + 3) + 1
-    steps += 2 * ("tcp" in transports)  # its latency mode, its put beside the C round trip
+    steps += 3 * ("tcp" in transports)  # its latency mode, its put beside the C round trip and with the poll off
     steps += len(PEER_RUNS) if args.peers else 0
     steps += len(plan.reg_sizes)
     progress = Progress(steps)
@@ -1219,6 +1276,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve", type=int, metavar="BYTES", help=argparse.SUPPRESS)
     p.add_argument("--stall-probe", type=int, metavar="BYTES", help=argparse.SUPPRESS)
     p.add_argument("--serve-busy-poll", type=int, default=0, metavar="US", help=argparse.SUPPRESS)
+    p.add_argument("--serve-poll", type=int, default=20, metavar="US", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib: pip install 'aiohixl[plot]'")  # before a bench it could not draw
@@ -1226,7 +1284,7 @@ def main(argv: list[str] | None = None) -> int:
         print(*asyncio.run(_first_allocate_stall(args.stall_probe)))
         return 0
     if args.serve:
-        asyncio.run(serve(args.serve, args.serve_busy_poll))
+        asyncio.run(serve(args.serve, args.serve_busy_poll, args.serve_poll))
         return 0
     results = asyncio.run(bench(args))
     print(render(results))
