@@ -364,17 +364,23 @@ class TargetProcess(LineChild):
 # ---------- measurements through a peer ----------
 
 
-async def latency(peer: Any, op: str, remote: Any, local: Any, size: int, ops: int) -> dict[str, float]:
-    r, l = remote[:size], local[:size]
-    fn, args = (peer.put, (r, l)) if op == "put" else (peer.get, (l, r))
-    for _ in range(min(ops, 500)):
-        await fn(*args)
+async def _timed(op: Any, args: tuple[Any, ...], ops: int, warm: int) -> list[float]:
+    """Seconds each of ``ops`` awaited ``op(*args)`` took, after ``warm`` untimed ones."""
+    for _ in range(warm):
+        await op(*args)
     samples = []
     clock = time.perf_counter
     for _ in range(ops):
         t = clock()
-        await fn(*args)
+        await op(*args)
         samples.append(clock() - t)
+    return samples
+
+
+async def latency(peer: Any, op: str, remote: Any, local: Any, size: int, ops: int) -> dict[str, float]:
+    r, l = remote[:size], local[:size]
+    fn, args = (peer.put, (r, l)) if op == "put" else (peer.get, (l, r))
+    samples = await _timed(fn, args, ops, min(ops, 500))
     samples.sort()
     return {"median_us": statistics.median(samples) * 1e6, "p99_us": samples[int(len(samples) * 0.99)] * 1e6}
 
@@ -681,17 +687,10 @@ async def serve_poll_beside(agent: Any, peer: Any, remote: Any, local: Any, ops:
         remote_off = await peer_off.region("dst")
         arms = ((peer, remote), (peer_off, remote_off))
         samples: dict[int, tuple[list[float], list[float]]] = {s: ([], []) for s in sizes}
-        clock = time.perf_counter
         for _ in range(ROUNDS):
             for s in sizes:
                 for (p, r), out in zip(arms, samples[s], strict=True):
-                    dst, src = r[:s], local[:s]
-                    for _ in range(min(ops, 100)):
-                        await p.put(dst, src)
-                    for _ in range(ops):
-                        t = clock()
-                        await p.put(dst, src)
-                        out.append(clock() - t)
+                    out += await _timed(p.put, (r[:s], local[:s]), ops, min(ops, 100))
         await peer_off.aclose()
     finally:
         off.close()
