@@ -21,7 +21,7 @@ from .rc import RcExport, RcPeer
 
 __all__ = ["Agent"]
 
-_BUSY_POLL_MAX_US = 1_000_000  # Agent(busy_poll_us=...): at most a second
+_POLL_MAX_US = 1_000_000  # Agent(busy_poll_us=..., serve_poll_us=...): at most a second
 
 
 class Agent:
@@ -121,8 +121,8 @@ class Agent:
         _args.seconds(stall_timeout, "Agent", "stall_timeout", _args.FOREVER)
         _args.seconds(heartbeat_interval, "Agent", "heartbeat_interval", _args.FOREVER)
         _args.seconds(heartbeat_timeout, "Agent", "heartbeat_timeout", _args.FOREVER)
-        _args.integer(busy_poll_us, "Agent", "busy_poll_us", 0, _BUSY_POLL_MAX_US)  # 0: off
-        _args.integer(serve_poll_us, "Agent", "serve_poll_us", 0, _BUSY_POLL_MAX_US)  # 0: off
+        _args.integer(busy_poll_us, "Agent", "busy_poll_us", 0, _POLL_MAX_US)  # 0: off
+        _args.integer(serve_poll_us, "Agent", "serve_poll_us", 0, _POLL_MAX_US)  # 0: off
         _args.choice(tcp_send, "Agent", "tcp_send", ("copy", "splice"))
         if not 0 < heartbeat_interval < heartbeat_timeout:
             raise InvalidArgument(
