@@ -21,7 +21,7 @@ from .rc import RcExport, RcPeer
 
 __all__ = ["Agent"]
 
-_POLL_MAX_US = 1_000_000  # Agent(busy_poll_us=..., serve_poll_us=...): at most a second
+_POLL_MAX_US = 1_000_000  # Agent(busy_poll_us=..., serve_poll_us=..., notify_poll_us=...): at most a second
 
 
 class Agent:
@@ -72,6 +72,11 @@ class Agent:
     as long as they come within five times that of each other; a request to
     a sleeping thread pays for waking it (docs/tcp.md, "The target's poll").
     Sparser requests, and an idle agent, cost nothing.
+    ``notify_poll_us`` (50 by default, 0: never): after notifications arrive,
+    the event loop keeps turning that long (its selector does not block; other
+    tasks run as usual) so that the next is seen without waking it, as long
+    as they come within five times that of each other (docs/api.md,
+    "Notifications"). A lone notification, and an idle agent, cost nothing.
     ``tcp_send`` says how a tcp put's payload of 64 KiB or more leaves:
     "copy" (the default: sendmsg copies it into the socket) or "splice" (the
     kernel takes its pages, so the sender copies nothing). Which is faster
@@ -100,6 +105,7 @@ class Agent:
         max_notifications: int = 4096,
         busy_poll_us: int = 0,
         serve_poll_us: int = 20,
+        notify_poll_us: int = 50,
         tcp_send: str = "copy",
     ) -> None:
         allowed = transport_names(transports, "Agent(transports=...)")
@@ -123,6 +129,7 @@ class Agent:
         _args.seconds(heartbeat_timeout, "Agent", "heartbeat_timeout", _args.FOREVER)
         _args.integer(busy_poll_us, "Agent", "busy_poll_us", 0, _POLL_MAX_US)  # 0: off
         _args.integer(serve_poll_us, "Agent", "serve_poll_us", 0, _POLL_MAX_US)  # 0: off
+        _args.integer(notify_poll_us, "Agent", "notify_poll_us", 0, _POLL_MAX_US)  # 0: off
         _args.choice(tcp_send, "Agent", "tcp_send", ("copy", "splice"))
         if not 0 < heartbeat_interval < heartbeat_timeout:
             raise InvalidArgument(
@@ -145,7 +152,9 @@ class Agent:
             tcp_send=tcp_send,
         )
         heartbeat = (heartbeat_interval, heartbeat_timeout)
-        core = AgentCore(self, name, allowed, heartbeat, max_inflight, copy_threads, max_notifications, options)
+        core = AgentCore(
+            self, name, allowed, heartbeat, max_inflight, copy_threads, max_notifications, options, notify_poll_us
+        )
         self._core = core
         self.id = core.id
         self.name = core.name

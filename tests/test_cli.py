@@ -122,6 +122,11 @@ def test_bench_quick_writes_json(tmp_path):
     for v in off["sizes"].values():
         assert v["default_us"] > 0 and v["off_over_default"] == v["off_us"] / v["default_us"]
     assert "put to a target with serve_poll_us=0" in proc.stdout
+    off = data["transports"]["tcp"]["notify"]["4 KiB"]["poll_off_beside"]
+    assert off["rounds"] >= 2 and off["ops"] > 0 and off["default_us"] > 0
+    assert off["off_over_default"] == off["off_us"] / off["default_us"]
+    assert "to a target with notify_poll_us=0" in proc.stdout
+    assert "poll_off_beside" not in data["transports"]["loopback"]["notify"]["4 KiB"]  # its own loop: no target
     assert all(row["stream_beside_gbps"] > 0 for row in data["transports"]["tcp"]["bandwidth"].values())
     assert "against the blocking stream timed in the same" in proc.stdout
     # A stream that could not be timed beside the puts is said, not left out.

@@ -462,3 +462,45 @@ async def test_a_wait_that_times_out_or_is_cancelled_takes_nothing(agent):
     await wait_until(lambda: len(inbox._waiters) == 1, what="the task waits")
     await peer.notify(b"c")
     assert (await waiting).data == b"c"
+
+
+@not_in_vm
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "50", None, 1_000_001])
+def test_notify_poll_us_is_validated(bad):
+    with pytest.raises(aiohixl.InvalidArgument, match=r"^Agent: notify_poll_us"):
+        aiohixl.Agent(notify_poll_us=bad)
+
+
+async def _loop_cpu(seconds: float) -> float:
+    """CPU this (the event loop's) thread used while its tasks slept ``seconds``."""
+    start = time.thread_time()
+    await asyncio.sleep(seconds)
+    return time.thread_time() - start
+
+
+@not_in_vm
+@pytest.mark.parametrize("window_us", [0, 50, 300_000])
+async def test_the_loop_turns_for_the_next_notification_only_while_they_come(window_us):
+    """notify_poll_us: once notifications come within five windows of each other, the receiving
+    loop keeps turning for the next for a window (a long one here, so that it shows in the thread's
+    CPU time even on a busy machine); a lone one, and an idle agent, cost nothing. 0: it never turns."""
+    async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, notify_poll_us=window_us) as t:
+        t.allocate(4096, name="kv")
+        async with aiohixl.Agent("i", token=TOKEN) as agent:
+            peer = await agent.connect(t.address)
+            kv, src = await peer.region("kv"), agent.allocate(4096)
+            await peer.put(kv, src, notify=b"first")
+            assert (await t.notification(timeout=60)).data == b"first"
+            lone = await _loop_cpu(0.2)
+            assert lone < 0.02, f"the loop used {lone:.3f} s of CPU in 0.2 s after a lone notification"
+            for i in range(5):
+                await peer.put(kv, src, notify=b"%d" % i)
+                assert (await t.notification(timeout=60)).data == b"%d" % i
+            turned = await _loop_cpu(0.2)
+            if window_us == 300_000:
+                assert turned > 0.02, f"the loop used {turned:.3f} s of CPU turning for 0.2 s"
+            elif window_us == 0:
+                assert turned < 0.02, f"the loop used {turned:.3f} s of CPU in 0.2 s without turning"
+            await asyncio.sleep(window_us / 1e6)
+            idle = await _loop_cpu(1.0)
+            assert idle < 0.02, f"an idle loop used {idle:.3f} s of CPU in 1 s"

@@ -35,6 +35,7 @@ class AgentCore:
         copy_threads: int,
         max_notifications: int,
         transport_options: dict[str, Any],
+        notify_poll_us: int = 0,
     ) -> None:
         self.agent = agent  # the public Agent: what a region names as its own
         self.id = uuid.uuid4().bytes
@@ -46,7 +47,7 @@ class AgentCore:
         self.threads = copy_threads
         # senders' (name, agent id), by session key
         self._names: collections.OrderedDict[int, tuple[str, bytes]] = collections.OrderedDict()
-        self.inbox = Inbox(self.engine, max_notifications, self._names, (self.name, self.id))
+        self.inbox = Inbox(self.engine, max_notifications, self._names, (self.name, self.id), notify_poll_us)
         self.engine.on_wake = self.inbox.pull
         self.transports = tr.make(self, allowed, {**transport_options, "heartbeat": heartbeat})
         self.regions = Regions(self)

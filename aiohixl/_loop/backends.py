@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,11 @@ class Backend:
     def is_current(self) -> bool:
         """Whether the caller runs in the event loop (trio run) this backend was made in."""
         return True
+
+    def keep_turning(self, until_ns: int) -> None:
+        """Keep the loop turning without blocking in its wait until ``time.monotonic_ns()``
+        reaches ``until_ns``: what becomes ready (the wake fd) is seen on the next turn,
+        and the other tasks run as they would. Its CPU is the cost."""
 
 
 class Op:
@@ -218,6 +224,21 @@ class AsyncioBackend(Backend):
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task] = set()
+        self._turn_until = 0  # keep_turning's deadline; a turn past it stops the chain
+
+    def keep_turning(self, until_ns: int) -> None:
+        # A callback that puts itself back each turn: asyncio then selects with timeout 0.
+        # Cheaper than a task (no coroutine step), and it holds no one up.
+        idle = self._turn_until == 0
+        self._turn_until = max(self._turn_until, until_ns)
+        if idle:
+            self.loop.call_soon(self._turn)
+
+    def _turn(self) -> None:
+        if time.monotonic_ns() < self._turn_until and not self.loop.is_closed():
+            self.loop.call_soon(self._turn)
+        else:
+            self._turn_until = 0
 
     def is_current(self) -> bool:
         try:
@@ -312,6 +333,22 @@ class TrioBackend(Backend):
         self.trio = trio
         self._scope: Any = None
         self._token = trio.lowlevel.current_trio_token()
+        self._turn_until = 0
+
+    def keep_turning(self, until_ns: int) -> None:
+        idle = self._turn_until == 0
+        self._turn_until = max(self._turn_until, until_ns)
+        if idle:
+            # A runnable task makes trio's scheduler poll its fds with timeout 0.
+            self.trio.lowlevel.spawn_system_task(self._turn, name="aiohixl-keep-turning")
+
+    async def _turn(self) -> None:
+        checkpoint = self.trio.lowlevel.checkpoint
+        try:
+            while time.monotonic_ns() < self._turn_until:
+                await checkpoint()
+        finally:
+            self._turn_until = 0
 
     def is_current(self) -> bool:
         try:

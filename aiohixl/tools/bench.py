@@ -119,9 +119,14 @@ class Progress:
 # ---------- the target process ----------
 
 
-async def serve(max_size: int, busy_poll_us: int = 0, serve_poll_us: int = 20) -> None:
+async def serve(max_size: int, busy_poll_us: int = 0, serve_poll_us: int = 20, notify_poll_us: int = 50) -> None:
     async with aiohixl.Agent(
-        "bench-target", listen="127.0.0.1:0", token=TOKEN, busy_poll_us=busy_poll_us, serve_poll_us=serve_poll_us
+        "bench-target",
+        listen="127.0.0.1:0",
+        token=TOKEN,
+        busy_poll_us=busy_poll_us,
+        serve_poll_us=serve_poll_us,
+        notify_poll_us=notify_poll_us,
     ) as agent:
         user = np.zeros(max_size, dtype=np.uint8)
         regions = {
@@ -323,6 +328,13 @@ async def notify_latency(
     agent: Any, peer: Any, target: Any, remote: Any, local: Any, size: int, ops: int
 ) -> dict[str, float]:
     """Median time from put(notify=) being issued to agent.notification() returning at the target."""
+    return _summary(await _notify_delays(agent, peer, target, remote, local, size, ops))
+
+
+async def _notify_delays(
+    agent: Any, peer: Any, target: Any, remote: Any, local: Any, size: int, ops: int
+) -> list[float]:
+    """Seconds from each put(notify=) being issued to agent.notification() returning at the target."""
     r, loc = remote[:size], local[:size]
     if target is None:  # loopback: the target is this agent
         delays = []
@@ -331,7 +343,7 @@ async def notify_latency(
             await peer.put(r, loc, notify=repr(t).encode())
             await agent.notification(timeout=60)
             delays.append(time.monotonic() - t)
-        return _summary(delays)
+        return delays
     target.tell(f"notes {ops}")
     if target.answer() != "ready":
         raise RuntimeError("the bench target did not take the notes command")
@@ -341,11 +353,11 @@ async def notify_latency(
         # one (a put that returns before its message is read would otherwise outrun the reader).
         if target.answer() != "got":
             raise RuntimeError("the bench target did not take a notification")
-    return _summary(json.loads(target.answer()))
+    return list(json.loads(target.answer()))
 
 
 class TargetProcess(LineChild):
-    def __init__(self, max_size: int, busy_poll_us: int = 0, serve_poll_us: int = 20) -> None:
+    def __init__(self, max_size: int, busy_poll_us: int = 0, serve_poll_us: int = 20, notify_poll_us: int = 50) -> None:
         super().__init__(
             "aiohixl.tools.bench",
             "--serve",
@@ -354,6 +366,8 @@ class TargetProcess(LineChild):
             str(busy_poll_us),
             "--serve-poll",
             str(serve_poll_us),
+            "--serve-notify-poll",
+            str(notify_poll_us),
         )
         self.address = self.first
 
@@ -553,12 +567,12 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
             0, 256, max_size, dtype=np.uint8
         )
         dst = None
+        only = {"tcp": ("tcp",), "verbs": ("verbs", "tcp")}.get(name)
         if name == "loopback":
             dst = agent.allocate(max_size, name="dst")
             peer = agent.loopback()
         else:
             assert target is not None
-            only = {"tcp": ("tcp",), "verbs": ("verbs", "tcp")}.get(name)
             peer = await agent.connect(target.address, transports=only)
         remote = await peer.region("udst" if name == "shm-cma" else "dst")
         out["path"] = await peer.path(remote)
@@ -595,6 +609,10 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
                 timed["beside"] = await notify_beside(
                     agent, peer, target, remote, local, size, ops // ROUNDS, plan.rtt_seconds / 2
                 )
+                if target is not None:
+                    timed["poll_off_beside"] = await notify_poll_beside(
+                        agent, peer, target, remote, local, size, ops // ROUNDS, only
+                    )
             progress.step(f"{name} notification latency {_fmt_size(size)}")
         spliced = await stack.enter_async_context(_splicing(target, max_size)) if name == "tcp" else None
         for size in plan.bw_sizes:
@@ -699,6 +717,31 @@ async def serve_poll_beside(agent: Any, peer: Any, remote: Any, local: Any, ops:
         on_us, off_us = statistics.median(on) * 1e6, statistics.median(no) * 1e6
         result[_fmt_size(s)] = {"default_us": on_us, "off_us": off_us, "off_over_default": off_us / on_us}
     return {"sizes": result, "rounds": ROUNDS, "ops": ROUNDS * ops}
+
+
+async def notify_poll_beside(
+    agent: Any, peer: Any, target: Any, remote: Any, local: Any, size: int, ops: int, only: Any
+) -> dict[str, Any]:
+    """``put(notify=)`` -> ``notification()`` to the bench's target (its loop turns
+    ``notify_poll_us``, 50 us, for the next while they come that often) and to a target process
+    made with ``notify_poll_us=0`` (its loop blocks in its selector after each), in alternating
+    rounds: what waking the receiving loop for every notification costs on this host
+    (docs/api.md, "Notifications"). Medians of all of each arm's notifications."""
+    off = TargetProcess(size, notify_poll_us=0)
+    try:
+        peer_off = await agent.connect(off.address, transports=only)
+        remote_off = await peer_off.region(remote.name)
+        arms = ((peer, remote, target), (peer_off, remote_off, off))
+        on: list[float] = []
+        no: list[float] = []
+        for _ in range(ROUNDS):
+            for (p, r, t), out in zip(arms, (on, no), strict=True):
+                out += await _notify_delays(agent, p, t, r, local, size, ops)
+        await peer_off.aclose()
+    finally:
+        off.close()
+    on_us, off_us = statistics.median(on) * 1e6, statistics.median(no) * 1e6
+    return {"default_us": on_us, "off_us": off_us, "off_over_default": off_us / on_us, "rounds": ROUNDS, "ops": len(on)}
 
 
 async def busy_poll_latency(plan: Plan, size: int) -> dict[str, dict[str, float]]:
@@ -1136,6 +1179,13 @@ def render(r: Results) -> str:
                         else ""
                     )
                 )
+            off = v.get("poll_off_beside")
+            if off:
+                lines.append(
+                    f"    to a target with notify_poll_us=0 (its loop blocks after each), {off['rounds']} rounds"
+                    f" alternating with the default (medians of {off['ops']} each): {off['off_us']:.1f} us"
+                    f" against {off['default_us']:.1f} ({off['off_over_default']:.2f}x)"
+                )
     for name, why in r.skipped.items():
         lines += ["", f"{name}: not measured: {why}"]
     if r.transports:
@@ -1276,6 +1326,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-probe", type=int, metavar="BYTES", help=argparse.SUPPRESS)
     p.add_argument("--serve-busy-poll", type=int, default=0, metavar="US", help=argparse.SUPPRESS)
     p.add_argument("--serve-poll", type=int, default=20, metavar="US", help=argparse.SUPPRESS)
+    p.add_argument("--serve-notify-poll", type=int, default=50, metavar="US", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib: pip install 'aiohixl[plot]'")  # before a bench it could not draw
@@ -1283,7 +1334,7 @@ def main(argv: list[str] | None = None) -> int:
         print(*asyncio.run(_first_allocate_stall(args.stall_probe)))
         return 0
     if args.serve:
-        asyncio.run(serve(args.serve, args.serve_busy_poll, args.serve_poll))
+        asyncio.run(serve(args.serve, args.serve_busy_poll, args.serve_poll, args.serve_notify_poll))
         return 0
     results = asyncio.run(bench(args))
     print(render(results))
