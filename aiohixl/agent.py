@@ -75,7 +75,7 @@ class Agent:
     ``notify_poll_us`` (50 by default, 0: never): after notifications arrive,
     the event loop keeps turning that long (its selector does not block; other
     tasks run as usual) so that the next is seen without waking it, as long
-    as they come within five times that of each other (docs/api.md,
+    as they come within twice that of each other (docs/api.md,
     "Notifications"). A lone notification, and an idle agent, cost nothing.
     ``tcp_send`` says how a tcp put's payload of 64 KiB or more leaves:
     "copy" (the default: sendmsg copies it into the socket) or "splice" (the

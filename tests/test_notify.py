@@ -481,7 +481,7 @@ async def _loop_cpu(seconds: float) -> float:
 @not_in_vm
 @pytest.mark.parametrize("window_us", [0, 50, 300_000])
 async def test_the_loop_turns_for_the_next_notification_only_while_they_come(window_us):
-    """notify_poll_us: once notifications come within five windows of each other, the receiving
+    """notify_poll_us: once notifications come within two windows of each other, the receiving
     loop keeps turning for the next for a window (a long one here, so that it shows in the thread's
     CPU time even on a busy machine); a lone one, and an idle agent, cost nothing. 0: it never turns."""
     async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, notify_poll_us=window_us) as t:
