@@ -57,8 +57,10 @@ typedef struct {
 
 /* A notification that arrived: from `source` (the session key of the peer
  * that sent it, 0 for this agent itself), `len` bytes of data; with
- * HX_NOTE_IMM in flags, a verbs WRITE WITH IMM of `nbytes` carrying `imm`. */
-enum { HX_NOTE_MAX = 4096, HX_NOTE_IMM = 1 };
+ * HX_NOTE_IMM in flags, a verbs WRITE WITH IMM of `nbytes` carrying `imm`;
+ * with HX_NOTE_RUNG, read from a shm doorbell ring by the draining thread
+ * (the event loop's), no native thread of this agent woken for it. */
+enum { HX_NOTE_MAX = 4096, HX_NOTE_IMM = 1, HX_NOTE_RUNG = 2 };
 typedef struct {
     uint64_t source;
     uint32_t imm;

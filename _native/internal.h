@@ -228,8 +228,9 @@ void hx_notes_free(hx_agent *a);
 int hx_note_push(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len, uint32_t imm,
                  uint32_t flags, uint32_t nbytes);
 void hx_note_dropped(hx_agent *a);
-/* Queues a notification a transport held (move_notes): HX_E_BUSY when the
- * queue is full, unless force; wakes no one (the caller drains, or wakes). */
+/* Queues a notification a transport held (move_notes: shm's doorbell rings,
+ * so it is marked HX_NOTE_RUNG): HX_E_BUSY when the queue is full, unless
+ * force; wakes no one (the caller drains, or wakes). */
 int hx_note_enqueue(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len, bool force);
 
 /* core/pool.c */

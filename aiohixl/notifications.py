@@ -32,6 +32,7 @@ __all__ = ["Notification", "Inbox", "MAX_NOTIFICATION", "note_bytes"]
 MAX_NOTIFICATION = int(lib.HX_NOTE_MAX)
 _BATCH = 64
 _IMM = int(lib.HX_NOTE_IMM)
+_RUNG = int(lib.HX_NOTE_RUNG)
 _drain_notes = lib.hx_agent_drain_notes  # one lookup, not one per pull
 _notes_ready = lib.hx_agent_notes_ready
 _UNKNOWN = (None, None)  # a sender whose session is no longer known
@@ -98,7 +99,7 @@ class Inbox:
         self.engine = engine
         self.capacity = capacity
         self._poll_ns = poll_us * 1000  # Agent(notify_poll_us=...)
-        self._arrived_at = 0  # when messages were last taken from the native queue
+        self._arrived_at = 0  # when doorbell messages were last taken from the native queue
         # The sender's (name, agent id): by session key, or ``own`` for source 0 (this agent).
         self.names, self.own = names, own
         self._queue: collections.deque[Notification] = collections.deque()
@@ -124,7 +125,7 @@ class Inbox:
         native = self.engine.native
         if native is None or not (woken or self._short or _notes_ready(native)):
             return
-        moved = 0
+        moved = rung = 0
         queue, buf, names = self._queue, self._buf, self.names
         while True:
             room = self.capacity - len(queue)
@@ -135,29 +136,30 @@ class Inbox:
                 e = buf[i]
                 source = e.source
                 name, agent_id = names.get(source) or (self.own if source == 0 else _UNKNOWN)
-                imm = int(e.imm) if e.flags & _IMM else None
+                flags = e.flags
+                rung |= flags & _RUNG
+                imm = int(e.imm) if flags & _IMM else None
                 queue.append(Notification(ffi.buffer(e.data, e.len)[:], imm, name, e.nbytes, agent_id))
             moved += n
             if n < _BATCH or n == room:
                 # Short of room: what waits natively is taken once a waiter made some (_serve).
                 self._short = n == room
                 break
-        if moved:
-            if self._space:
-                self._wake_space()
-            if self._poll_ns:
-                self._poll()
+        if moved and self._space:
+            self._wake_space()
+        if rung and self._poll_ns:
+            self._poll()
         if self._waiters and self._queue:
             self._serve()
 
     def _poll(self) -> None:
-        """Messages arrived: keep the loop turning ``poll_ns`` for the next while they come
-        within 2 x that of each other. The next is then seen on the loop's next turn rather
-        than by waking a blocked loop, which costs its thread 20-40 us here and the sender's
-        wake of it 15 more (docs/api.md, "Notifications"). Sparser streams are left alone:
-        the window would seldom catch the next, and its CPU is what the sender's and this
-        process's other threads need on a small host (tcp, gaps of 100-150 us: 5 x let the
-        loop turn in vain, and the messages took 62 us instead of 55)."""
+        """Messages arrived by shm's doorbell: keep the loop turning ``poll_ns`` for the next
+        while they come within 2 x that of each other. The next is then seen on the loop's
+        next turn rather than by waking a blocked loop, which costs its thread 20-40 us here
+        and the sender's wake of it 15 more (docs/api.md, "Notifications"). Not for what a
+        native thread received (tcp, verbs): that thread is woken first whatever the loop
+        does, and a turning loop takes the CPU it needs (tcp: 56-62 us against 49-65). Nor
+        for sparser streams: the window would seldom catch the next."""
         now = _now_ns()
         if now - self._arrived_at <= 2 * self._poll_ns and not self.closed:
             backend = self.engine.backend

@@ -149,29 +149,31 @@ def test_notification_timeout_on_trio():
 
 
 def test_notifications_keep_a_trio_loop_turning_while_they_come():
-    """notify_poll_us under trio: notifications close together keep the run turning (a task of
-    its own that only checkpoints) for a window, and it stops once they stop."""
+    """notify_poll_us under trio: doorbell (shm) notifications close together keep the run turning
+    (a task of its own that only checkpoints) for a window, and it stops once they stop."""
     import time
 
     async def main():
-        async with aiohixl.Agent("trio-notes", notify_poll_us=300_000) as agent:
-            dst = agent.allocate(4096, name="d")
-            src = agent.allocate(4096)
-            src.memory[:] = b"\x07" * 4096
-            peer = agent.loopback()
-            d = await peer.region("d")
-            for i in range(5):
-                await peer.put(d, src, notify=b"%d" % i)
-                assert (await agent.notification(timeout=60)).data == b"%d" % i
-            assert bytes(dst.memory) == b"\x07" * 4096
-            start = time.thread_time()
-            await trio.sleep(0.2)
-            turned = time.thread_time() - start
-            assert turned > 0.02, f"the run used {turned:.3f} s of CPU turning for 0.2 s"
-            await trio.sleep(0.3)
-            start = time.thread_time()
-            await trio.sleep(1.0)
-            idle = time.thread_time() - start
-            assert idle < 0.02, f"an idle run used {idle:.3f} s of CPU in 1 s"
+        async with aiohixl.Agent("trio-t", listen="127.0.0.1:0", token="trio-notes", notify_poll_us=300_000) as t:
+            dst = t.allocate(4096, name="d")
+            async with aiohixl.Agent("trio-i", token="trio-notes") as agent:
+                src = agent.allocate(4096)
+                src.memory[:] = b"\x07" * 4096
+                peer = await agent.connect(t.address)
+                d = await peer.region("d")
+                assert await peer.path(d) == "shm-memfd"
+                for i in range(5):
+                    await peer.put(d, src, notify=b"%d" % i)
+                    assert (await t.notification(timeout=60)).data == b"%d" % i
+                assert bytes(dst.memory) == b"\x07" * 4096
+                start = time.thread_time()
+                await trio.sleep(0.2)
+                turned = time.thread_time() - start
+                assert turned > 0.02, f"the run used {turned:.3f} s of CPU turning for 0.2 s"
+                await trio.sleep(0.3)
+                start = time.thread_time()
+                await trio.sleep(1.0)
+                idle = time.thread_time() - start
+                assert idle < 0.02, f"an idle run used {idle:.3f} s of CPU in 1 s"
 
     run(main)

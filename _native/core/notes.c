@@ -76,7 +76,7 @@ static int queue(hx_agent *a, const hx_note_entry *head, const uint8_t *data, bo
 
 int hx_note_enqueue(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len, bool force)
 {
-    return queue(a, &(hx_note_entry){.source = source, .len = len}, data, force);
+    return queue(a, &(hx_note_entry){.source = source, .len = len, .flags = HX_NOTE_RUNG}, data, force);
 }
 
 int hx_note_push(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len, uint32_t imm,
