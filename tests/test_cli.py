@@ -102,18 +102,21 @@ def test_bench_quick_writes_json(tmp_path):
     assert 0 < b["tcp_stream_gbps"] < 1000
     for how in ("blocking", "polling"):
         assert b["tcp_stream"][how]["whole"] > 0 and 0 < b["tcp_stream"][how]["best"] <= b["tcp_stream_gbps"]
-    for key in ("tcp_rtt_us", "tcp_rtt_spin_us", "wake_rtt_us", "asyncio_wake_rtt_us"):
+    for key in ("tcp_rtt_us", "tcp_rtt_spin_us", "wake_rtt_us", "wake_rtt_apart_us", "asyncio_wake_rtt_us"):
         rtt = b[key]
         assert 0 < rtt["median"] <= rtt["p99"] and rtt["ops"] >= 100
     assert "eventfd wake-up round trip" in proc.stdout and "one-way wake-up" in proc.stdout  # beside the notifications
     assert "the same through asyncio" in proc.stdout and "the asyncio one-way wake-up" in proc.stdout
     note = data["transports"]["tcp"]["notify"]["4 KiB"]
     assert note["beyond_over_wake"] is not None and note["beyond_over_asyncio_wake"] is not None
+    assert note["beyond_over_wake_apart"] == note["beyond_put_us"] / (b["wake_rtt_apart_us"]["median"] / 2)
+    assert "the same, the 2 pinned to 2 CPUs:" in proc.stdout and "the one on two CPUs" in proc.stdout
     # Rows whose ratio is to a limit are also timed beside it, in alternating rounds.
     for name in ("loopback", "tcp"):
         side = data["transports"][name]["notify"]["4 KiB"]["beside"]
         assert side["rounds"] >= 2 and 0 < side["put_median_us"] < side["median_us"] and side["asyncio_wake_us"] > 0
         assert side["over_put"] == side["median_us"] / side["put_median_us"]
+        assert side["native_wake_apart_us"] > 0 and "on two CPUs" in proc.stdout
     side = data["transports"]["tcp"]["rtt_beside"]
     assert side["rtt_us"] > 0 and side["ratio"] == side["put_us"] / side["rtt_us"]
     assert "against the blocking C round trip timed beside it" in proc.stdout and "timed beside, " in proc.stdout

@@ -15,6 +15,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -704,9 +705,39 @@ done:
     return rc;
 }
 
-int hb_wake_rtt(double seconds, hb_rtt_result *out)
+/* The first two CPUs of `allowed` in *a and *b; false with fewer. */
+static bool two_cpus(const cpu_set_t *allowed, int *a, int *b)
+{
+    int found = 0;
+    for (int cpu = 0; cpu < CPU_SETSIZE && found < 2; cpu++)
+        if (CPU_ISSET(cpu, allowed))
+            *(found++ ? b : a) = cpu;
+    return found == 2;
+}
+
+static void pin(int cpu)
+{
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    (void)sched_setaffinity(0, sizeof one, &one);
+}
+
+int hb_wake_rtt(double seconds, int apart, hb_rtt_result *out)
 {
     memset(out, 0, sizeof *out);
+    cpu_set_t allowed;
+    int cpu_a = 0, cpu_b = 0;
+    if (apart) {
+        if (sched_getaffinity(0, sizeof allowed, &allowed) != 0)
+            out->err = errno;
+        else if (!two_cpus(&allowed, &cpu_a, &cpu_b))
+            out->err = EINVAL;
+        if (out->err) {
+            out->where = "two CPUs to pin to";
+            return -1;
+        }
+    }
     int ping = eventfd(0, EFD_CLOEXEC), pong = eventfd(0, EFD_CLOEXEC);
     if (ping < 0 || pong < 0) {
         out->err = errno;
@@ -715,10 +746,14 @@ int hb_wake_rtt(double seconds, hb_rtt_result *out)
             close(ping);
         return -1;
     }
+    if (apart)
+        pin(cpu_a); /* this thread; given back below */
     pid_t pid = fork_child();
     if (pid == 0) {
         /* The responder: each wake-up answered with one, until ping says 2 (the end). */
         uint64_t v;
+        if (apart)
+            pin(cpu_b);
         for (;;) {
             if (read(ping, &v, sizeof v) != sizeof v)
                 _exit(1);
@@ -778,5 +813,7 @@ done:
     close(ping);
     close(pong);
     free(samples);
+    if (apart)
+        (void)sched_setaffinity(0, sizeof allowed, &allowed);
     return rc;
 }

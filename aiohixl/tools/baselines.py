@@ -30,7 +30,10 @@ drives it:
   threads poll while active). The faster of the two is the limit.
 - wake-up round trip: two processes, each blocked in read() on an eventfd
   until the other writes it; half of one is the native one-way wake-up, the
-  least a notification to a blocked target costs beyond its put.
+  least a notification to a blocked target costs beyond its put. Timed as
+  the scheduler places the two (it may run both on one CPU: a wake-up is
+  then a context switch) and pinned to two CPUs (each wake-up is of a
+  thread on another CPU, halted if idle).
 - asyncio wake-up round trip: the same, with an asyncio loop in each process
   (``wake_floor``: add_reader -> future -> the awaiting task resumes), no
   aiohixl in it; half of one is the interpreter's floor under a notification
@@ -130,12 +133,14 @@ def tcp_rtt_us(seconds: float, spin: bool, request: int = RTT_REQUEST) -> dict[s
     return {"median": res.median_us, "p99": res.p99_us, "mean": res.mean_us, "ops": res.ops}
 
 
-def wake_rtt_us(seconds: float) -> dict[str, float]:
-    """An eventfd wake-up round trip between two blocked processes; one way is half of it."""
+def wake_rtt_us(seconds: float, apart: bool = False) -> dict[str, float]:
+    """An eventfd wake-up round trip between two blocked processes; one way is half of it.
+    ``apart``: the two pinned to two CPUs, so that each wake-up is of a thread on another
+    CPU (else the scheduler may run both on one, where a wake-up is a context switch)."""
     m = _native()
     res = m.ffi.new("hb_rtt_result *")
-    if m.lib.hb_wake_rtt(seconds, res) != 0:
-        raise OSError(res.err, _error(res, m.ffi, "wake-up round trip"))
+    if m.lib.hb_wake_rtt(seconds, int(apart), res) != 0:
+        raise OSError(res.err, _error(res, m.ffi, "wake-up round trip" + (" on two CPUs" if apart else "")))
     return {"median": res.median_us, "p99": res.p99_us, "mean": res.mean_us, "ops": res.ops}
 
 
@@ -158,9 +163,10 @@ def one_way_asyncio_wake_us(b: dict[str, Any]) -> float | None:
     return rtt["median"] / 2 if rtt else None
 
 
-def one_way_wake_us(b: dict[str, Any]) -> float | None:
-    """Half the median wake-up round trip: the notification rows' limit."""
-    rtt = b.get("wake_rtt_us")
+def one_way_wake_us(b: dict[str, Any], key: str = "wake_rtt_us") -> float | None:
+    """Half the median wake-up round trip: the notification rows' limit (``wake_rtt_apart_us``:
+    the same with the two processes on two CPUs)."""
+    rtt = b.get(key)
     return rtt["median"] / 2 if rtt else None
 
 
@@ -286,6 +292,7 @@ def measure(
     out["tcp_rtt_spin_us"] = attempt("tcp round trip (polling)", lambda: tcp_rtt_us(rtt_seconds, spin=True))
     step("tcp round trip")
     out["wake_rtt_us"] = attempt("wake-up round trip", lambda: wake_rtt_us(rtt_seconds))
+    out["wake_rtt_apart_us"] = attempt("wake-up round trip on two CPUs", lambda: wake_rtt_us(rtt_seconds, apart=True))
     out["asyncio_wake_rtt_us"] = attempt("asyncio wake-up round trip", lambda: asyncio_wake_rtt_us(rtt_seconds))
     step("wake-up round trip")
     return out
@@ -319,7 +326,7 @@ def combine(passes: list[dict[str, Any]]) -> dict[str, Any]:
         for how in ("blocking", "polling")
     }
     out["tcp_stream_gbps"] = max((p["tcp_stream_gbps"] for p in passes if p["tcp_stream_gbps"]), default=None)
-    for key in ("tcp_rtt_us", "tcp_rtt_spin_us", "wake_rtt_us", "asyncio_wake_rtt_us"):
+    for key in ("tcp_rtt_us", "tcp_rtt_spin_us", "wake_rtt_us", "wake_rtt_apart_us", "asyncio_wake_rtt_us"):
         out[key] = min((p[key] for p in passes if p.get(key)), key=lambda v: v["median"], default=None)
     out["errors"] = {k: v for p in passes for k, v in p["errors"].items()}
     out["passes"] = passes
