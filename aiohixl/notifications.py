@@ -94,7 +94,7 @@ class Inbox:
         capacity: int,
         names: Mapping[int, tuple[str, bytes]],
         own: tuple[str, bytes],
-        poll_us: int = 0,
+        poll_us: int,
     ) -> None:
         self.engine = engine
         self.capacity = capacity

@@ -35,7 +35,7 @@ class AgentCore:
         copy_threads: int,
         max_notifications: int,
         transport_options: dict[str, Any],
-        notify_poll_us: int = 0,
+        notify_poll_us: int,
     ) -> None:
         self.agent = agent  # the public Agent: what a region names as its own
         self.id = uuid.uuid4().bytes
