@@ -80,6 +80,8 @@ def test_bench_quick_writes_json(tmp_path):
     assert "vs its physical limit" in proc.stdout and "physical-limit check" in proc.stdout
     (reg,) = data["registration"].values()  # --quick: one size
     assert {"first_allocate_stall_ms", "close_stall_ms", "aclose_stall_ms"} <= set(reg)
+    assert 0 <= reg["allocate_async_max_stall_cpu_ms"] <= reg["allocate_async_max_stall_ms"] + 1.0  # own work in it
+    assert "the loop's own work in it" in proc.stdout
     assert "beside await region.close()" in proc.stdout
 
     # Every native baseline is there and positive. Nothing is asserted about
