@@ -1,7 +1,9 @@
 """Event-loop glue: watching the agent's wake fd and the waiters ops resolve.
 
 One thin class per async library, chosen with sniffio. asyncio gets plain
-futures and ``add_reader``; trio gets one system task blocked on the fd.
+futures and ``add_reader``; trio gets one system task blocked on the fd. Each
+can keep its loop turning for a while (``keep_turning``: the notifications'
+poll), asyncio with a callback that puts itself back, trio with a task.
 """
 
 from __future__ import annotations
