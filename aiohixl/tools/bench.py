@@ -705,6 +705,27 @@ async def _splicing(target: TargetProcess | None, size: int) -> AsyncIterator[tu
         yield peer, await peer.region("dst"), local
 
 
+@asynccontextmanager
+async def _target_with(
+    agent: Any, size: int, region: str, only: Any, **knobs: int
+) -> AsyncIterator[tuple[Any, Any, TargetProcess]]:
+    """A second target process made with ``knobs`` (one of its polls off): a peer of it
+    through ``only``, its region ``region``, and the process."""
+    proc = TargetProcess(size, **knobs)
+    try:
+        peer = await agent.connect(proc.address, transports=only)
+        yield peer, await peer.region(region), proc
+        await peer.aclose()
+    finally:
+        proc.close()
+
+
+def _off_against_default(on: list[float], off: list[float]) -> dict[str, float]:
+    """The medians (us) of the default's samples and the poll-off target's, and their ratio."""
+    on_us, off_us = statistics.median(on) * 1e6, statistics.median(off) * 1e6
+    return {"default_us": on_us, "off_us": off_us, "off_over_default": off_us / on_us}
+
+
 async def serve_poll_beside(agent: Any, peer: Any, remote: Any, local: Any, ops: int) -> dict[str, Any]:
     """Lone puts to the bench's target (its tcp I/O thread polls ``serve_poll_us``, 20 us, for the
     next request) and to a target process made with ``serve_poll_us=0`` (its thread blocks after
@@ -713,23 +734,14 @@ async def serve_poll_beside(agent: Any, peer: Any, remote: Any, local: Any, ops:
     best round's: which CPU the scheduler gives the blocking target's thread, the initiator's (no
     wake-up to pay) or the other, holds for seconds, and a round is shorter."""
     sizes = (4 * KiB, 64 * KiB)
-    off = TargetProcess(max(sizes), serve_poll_us=0)
-    try:
-        peer_off = await agent.connect(off.address, transports=("tcp",))
-        remote_off = await peer_off.region("dst")
+    samples: dict[int, tuple[list[float], list[float]]] = {s: ([], []) for s in sizes}
+    async with _target_with(agent, max(sizes), "dst", ("tcp",), serve_poll_us=0) as (peer_off, remote_off, _):
         arms = ((peer, remote), (peer_off, remote_off))
-        samples: dict[int, tuple[list[float], list[float]]] = {s: ([], []) for s in sizes}
         for _ in range(ROUNDS):
             for s in sizes:
                 for (p, r), out in zip(arms, samples[s], strict=True):
                     out += await _timed(p.put, (r[:s], local[:s]), ops, min(ops, 100))
-        await peer_off.aclose()
-    finally:
-        off.close()
-    result = {}
-    for s, (on, no) in samples.items():
-        on_us, off_us = statistics.median(on) * 1e6, statistics.median(no) * 1e6
-        result[_fmt_size(s)] = {"default_us": on_us, "off_us": off_us, "off_over_default": off_us / on_us}
+    result = {_fmt_size(s): _off_against_default(on, no) for s, (on, no) in samples.items()}
     return {"sizes": result, "rounds": ROUNDS, "ops": ROUNDS * ops}
 
 
@@ -741,21 +753,14 @@ async def notify_poll_beside(
     made with ``notify_poll_us=0`` (its loop blocks in its selector after each), in alternating
     rounds: what waking the receiving loop for every notification costs on this host
     (docs/api.md, "Notifications"). Medians of all of each arm's notifications."""
-    off = TargetProcess(size, notify_poll_us=0)
-    try:
-        peer_off = await agent.connect(off.address, transports=only)
-        remote_off = await peer_off.region(remote.name)
-        arms = ((peer, remote, target), (peer_off, remote_off, off))
-        on: list[float] = []
-        no: list[float] = []
+    on: list[float] = []
+    no: list[float] = []
+    async with _target_with(agent, size, remote.name, only, notify_poll_us=0) as off:
+        arms = ((peer, remote, target), off)
         for _ in range(ROUNDS):
             for (p, r, t), out in zip(arms, (on, no), strict=True):
                 out += await _notify_delays(agent, p, t, r, local, size, ops)
-        await peer_off.aclose()
-    finally:
-        off.close()
-    on_us, off_us = statistics.median(on) * 1e6, statistics.median(no) * 1e6
-    return {"default_us": on_us, "off_us": off_us, "off_over_default": off_us / on_us, "rounds": ROUNDS, "ops": len(on)}
+    return {**_off_against_default(on, no), "rounds": ROUNDS, "ops": len(on)}
 
 
 async def busy_poll_latency(plan: Plan, size: int) -> dict[str, dict[str, float]]:
