@@ -109,6 +109,12 @@ int hx_agent_notes_pending(hx_agent *a);
 /* Whether a drain_notes may find any (no system call): 0 only when nothing is
  * queued natively and no transport holds any. */
 int hx_agent_notes_ready(hx_agent *a);
+/* quiet = 1: the event loop looks for notifications itself on each of its
+ * turns (hx_agent_notes_ready), so senders need not wake it: shm's doorbells
+ * stop asking to be rung. quiet = 0: they ask again; returns 1 when a ring
+ * already holds records, which the caller must then drain (no ring will
+ * announce them), else 0. */
+int hx_agent_notes_quiet(hx_agent *a, int quiet);
 uint64_t hx_agent_notes_dropped(hx_agent *a);
 void hx_agent_set_notes(hx_agent *a, uint32_t capacity);
 /* tcp: every interval_ns each connection is pinged by its native side; one

@@ -125,6 +125,10 @@ typedef struct hx_transport {
     /* Whether it may hold such notifications now: no system call, no false
      * "no" for what the loop's wake fd does not announce. */
     bool (*notes_held)(hx_agent *a);
+    /* hx_agent_notes_quiet: the loop looks itself (quiet), or is to be woken
+     * again; returns whether it holds notifications (after !quiet: that no
+     * wake-up will announce). */
+    bool (*notes_quiet)(hx_agent *a, bool quiet);
     /* The remote end of the channel peer_id (0: none), or of session's
      * connections (target side; 0: none), was proved alive at now_ns by
      * another transport (hx_heard): it counts as heard, as a byte read does

@@ -100,6 +100,7 @@ class Inbox:
         self.capacity = capacity
         self._poll_ns = poll_us * 1000  # Agent(notify_poll_us=...)
         self._arrived_at = 0  # when doorbell messages were last taken from the native queue
+        self._quiet = False  # the loop turns and looks itself: doorbells are not rung
         # The sender's (name, agent id): by session key, or ``own`` for source 0 (this agent).
         self.names, self.own = names, own
         self._queue: collections.deque[Notification] = collections.deque()
@@ -162,10 +163,29 @@ class Inbox:
         for sparser streams: the window would seldom catch the next."""
         now = _now_ns()
         if now - self._arrived_at <= 2 * self._poll_ns and not self.closed:
-            backend = self.engine.backend
-            if backend is not None:
-                backend.keep_turning(now + self._poll_ns)
+            backend, native = self.engine.backend, self.engine.native
+            if backend is not None and native is not None:
+                if not self._quiet:
+                    # The loop looks each turn (_turned): the senders need not ring, which
+                    # saves each put(notify=) a system call and the loop a read.
+                    self._quiet = True
+                    lib.hx_agent_notes_quiet(native, 1)
+                backend.keep_turning(now + self._poll_ns, self._turned)
         self._arrived_at = now
+
+    def _turned(self, last: bool) -> None:
+        """A turn of the loop keep_turning keeps going: what the doorbells hold is taken.
+        After the ``last`` one they are rung again, and what came before that is taken now:
+        nothing would announce it."""
+        native = self.engine.native
+        if native is None:
+            return
+        if not last:
+            self.pull(woken=False)
+        elif self._quiet:
+            self._quiet = False
+            if lib.hx_agent_notes_quiet(native, 0):
+                self.pull()
 
     def _take(self, match: bytes | None) -> Notification | None:
         if match is None:

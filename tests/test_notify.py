@@ -524,3 +524,42 @@ async def test_the_loop_turns_for_the_next_notification_only_while_they_come(tra
             await asyncio.sleep(window_us / 1e6)
             polls, cpu = await _loop_turns(1.0)
             assert polls < 10 and cpu < 0.02, f"an idle loop: {polls} polls, {cpu:.3f} s of CPU in 1 s"
+
+
+def _rung(agent: aiohixl.Agent) -> bool:
+    """Whether the agent's wake fd says something came (a doorbell's wake-up among it)."""
+    import select
+
+    return bool(select.select([agent._core.engine.fd], [], [], 0)[0])
+
+
+@not_in_vm
+async def test_a_turning_loop_is_not_rung_and_takes_what_came_as_it_stopped():
+    """While the loop turns for shm notifications it looks at the doorbells itself: a
+    put(notify=) then rings nothing. After the window they are rung again; a message that
+    came during the last turn, which no wake-up announces, is taken then."""
+    window = 0.05
+    async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, notify_poll_us=int(window * 1e6)) as t:
+        t.allocate(4096, name="kv")
+        async with aiohixl.Agent("i", token=TOKEN, transports=("shm",)) as agent:
+            peer = await agent.connect(t.address)
+            kv, src = await peer.region("kv"), agent.allocate(4096)
+            for i in range(5):  # close together: the loop turns
+                await peer.put(kv, src, notify=b"%d" % i)
+                assert (await t.notification(timeout=60)).data == b"%d" % i
+            backend = t._core.engine.backend
+            assert backend._turn_until
+            await peer.put(kv, src, notify=b"quiet")  # ends here: no turn of the loop since
+            assert not _rung(t)
+            assert (await t.notification(timeout=60)).data == b"quiet"
+
+            waiter = asyncio.create_task(t.notification(timeout=60))
+            await asyncio.sleep(0)  # it waits
+            await peer.put(kv, src, notify=b"last")
+            time.sleep(2 * window)  # the loop's next turn is its last: past the window
+            assert (await asyncio.wait_for(waiter, 10)).data == b"last"
+            await wait_until(lambda: not backend._turn_until)
+
+            await peer.put(kv, src, notify=b"rung")
+            assert _rung(t)
+            assert (await t.notification(timeout=60)).data == b"rung"

@@ -153,6 +153,15 @@ int hx_agent_notes_ready(hx_agent *a)
     return ready;
 }
 
+int hx_agent_notes_quiet(hx_agent *a, int quiet)
+{
+    bool held = false;
+    for (int t = 0; t < HX_NTRANSPORTS; t++)
+        if (hx_transports[t]->notes_quiet)
+            held |= hx_transports[t]->notes_quiet(a, quiet != 0);
+    return held;
+}
+
 uint64_t hx_agent_notes_dropped(hx_agent *a)
 {
     pthread_mutex_lock(&a->note_lock);

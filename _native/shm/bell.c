@@ -107,6 +107,7 @@ typedef struct {
     pthread_mutex_t lock; /* the list, and every bell's reading */
     hx_bell *list;
     atomic_int count;
+    bool quiet; /* bell_quiet: rings found empty are left unarmed (under lock) */
 } bell_state;
 
 #define S(a) ((bell_state *)(a)->state[HX_TRANSPORT_SHM])
@@ -129,12 +130,15 @@ static void broken(hx_agent *a, hx_bell *b)
 }
 
 /* Moves what the ring holds into the queue (all of it with force, else as
- * far as the queue has room); the records it still holds. Under st->lock. */
-static uint32_t take(hx_agent *a, hx_bell *b, bool force)
+ * far as the queue has room); the records it still holds. An emptied ring
+ * is armed, unless the loop looks itself (quiet). Under st->lock. */
+static uint32_t take(hx_agent *a, hx_bell *b, bool force, bool quiet)
 {
     while (!b->broken) {
         uint64_t tail = atomic_load_explicit(&b->h->tail, memory_order_acquire);
         if (tail == b->head) {
+            if (quiet)
+                return 0;
             atomic_store(&b->h->waiting, 1);
             tail = atomic_load(&b->h->tail);
             if (tail == b->head)
@@ -210,7 +214,27 @@ uint32_t bell_move(hx_agent *a, bool all, uint64_t source)
         clear_rung(a, st);
     for (hx_bell *b = st->list; b; b = b->next)
         if (all || b->source == source)
-            held += take(a, b, false);
+            held += take(a, b, false, st->quiet);
+    pthread_mutex_unlock(&st->lock);
+    return held;
+}
+
+bool bell_quiet(hx_agent *a, bool quiet)
+{
+    bell_state *st = S(a);
+    if (!st)
+        return false;
+    bool held = false;
+    pthread_mutex_lock(&st->lock);
+    st->quiet = quiet;
+    for (hx_bell *b = st->list; b && !quiet; b = b->next) {
+        if (b->broken)
+            continue;
+        /* Armed, then the tail read again (seq_cst both, as in take): a
+         * record published before the arm is seen here, one after it rings. */
+        atomic_store(&b->h->waiting, 1);
+        held |= atomic_load(&b->h->tail) != b->head;
+    }
     pthread_mutex_unlock(&st->lock);
     return held;
 }
@@ -288,7 +312,7 @@ void hx_shm_bell_close(hx_agent *a, hx_bell *b)
     /* What the ring holds was sent: queued, past the queue's bound if need be
      * (by at most a ring's worth), not lost with the session. */
     uint64_t before = b->head;
-    take(a, b, true);
+    take(a, b, true, false);
     bool moved = b->head != before;
     for (hx_bell **pp = &st->list; *pp; pp = &(*pp)->next)
         if (*pp == b) {

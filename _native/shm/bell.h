@@ -57,4 +57,8 @@ void bell_free(hx_agent *a);
 uint32_t bell_move(hx_agent *a, bool all, uint64_t source);
 /* Whether a ring holds records not yet moved (no system call). */
 bool bell_held(hx_agent *a);
+/* Quiet: a ring found empty is not armed (`waiting`): its initiator sends no
+ * wake-up, the loop looks each turn. Not quiet: every ring is armed again,
+ * and whether one already holds records is returned. */
+bool bell_quiet(hx_agent *a, bool quiet);
 #endif

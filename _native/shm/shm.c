@@ -79,7 +79,8 @@ const hx_transport hx_shm_transport = {.name = "shm",
                                        .shutdown = bell_shutdown,
                                        .free = bell_free,
                                        .move_notes = bell_move,
-                                       .notes_held = bell_held};
+                                       .notes_held = bell_held,
+                                       .notes_quiet = bell_quiet};
 
 hx_peer *hx_shm_new(hx_agent *a, int pid, int *status)
 {

@@ -26,6 +26,10 @@ __all__ = ["Backend", "current_backend"]
 _yield = os.sched_yield
 
 
+def _nothing(last: bool) -> None:
+    pass
+
+
 class Backend:
     name: str
 
@@ -53,10 +57,11 @@ class Backend:
         """Whether the caller runs in the event loop (trio run) this backend was made in."""
         return True
 
-    def keep_turning(self, until_ns: int) -> None:
+    def keep_turning(self, until_ns: int, turned: Callable[[bool], None]) -> None:
         """Keep the loop turning without blocking in its wait until ``time.monotonic_ns()``
         reaches ``until_ns``: what becomes ready (the wake fd) is seen on the next turn,
-        and the other tasks run as they would. Its CPU is the cost."""
+        and the other tasks run as they would. Its CPU is the cost. ``turned(False)`` is
+        called on each turn, ``turned(True)`` once after the last."""
 
 
 class Op:
@@ -234,21 +239,25 @@ class AsyncioBackend(Backend):
         self.loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task] = set()
         self._turn_until = 0  # keep_turning's deadline; a turn past it stops the chain
+        self._turned: Callable[[bool], None] = _nothing
 
-    def keep_turning(self, until_ns: int) -> None:
+    def keep_turning(self, until_ns: int, turned: Callable[[bool], None]) -> None:
         # A callback that puts itself back each turn: asyncio then selects with timeout 0.
         # Cheaper than a task (no coroutine step), and it holds no one up.
         idle = self._turn_until == 0
         self._turn_until = max(self._turn_until, until_ns)
+        self._turned = turned
         if idle:
             self.loop.call_soon(self._turn)
 
     def _turn(self) -> None:
-        if time.monotonic_ns() < self._turn_until and not self.loop.is_closed():
+        if time.monotonic_ns() < self._turn_until:
             _yield()
-            self.loop.call_soon(self._turn)
+            self.loop.call_soon(self._turn)  # first: a turned() that raises ends no chain
+            self._turned(False)
         else:
             self._turn_until = 0
+            self._turned(True)
 
     def is_current(self) -> bool:
         try:
@@ -344,10 +353,12 @@ class TrioBackend(Backend):
         self._scope: Any = None
         self._token = trio.lowlevel.current_trio_token()
         self._turn_until = 0
+        self._turned: Callable[[bool], None] = _nothing
 
-    def keep_turning(self, until_ns: int) -> None:
+    def keep_turning(self, until_ns: int, turned: Callable[[bool], None]) -> None:
         idle = self._turn_until == 0
         self._turn_until = max(self._turn_until, until_ns)
+        self._turned = turned
         if idle:
             # A runnable task makes trio's scheduler poll its fds with timeout 0.
             self.trio.lowlevel.spawn_system_task(self._turn, name="aiohixl-keep-turning")
@@ -357,9 +368,11 @@ class TrioBackend(Backend):
         try:
             while time.monotonic_ns() < self._turn_until:
                 _yield()
+                self._turned(False)
                 await checkpoint()
         finally:
             self._turn_until = 0
+            self._turned(True)
 
     def is_current(self) -> bool:
         try:
