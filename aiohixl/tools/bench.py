@@ -190,27 +190,36 @@ def _populate_gibps(nbytes: int, memfd: bool) -> float:
             os.close(fd)
 
 
-def _loop_thread_cpu() -> float:
-    """Seconds the calling thread has run on a CPU (Linux schedstat; 0 elsewhere)."""
+def _loop_thread_sched() -> tuple[float, float]:
+    """Seconds the calling thread has run on a CPU, and has waited, runnable, for one
+    (Linux schedstat; 0 elsewhere)."""
     try:
         with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[0]) * 1e-9
-    except OSError:
-        return 0.0
+            ran, waited = f.read().split()[:2]
+        return int(ran) * 1e-9, int(waited) * 1e-9
+    except (OSError, ValueError):
+        return 0.0, 0.0
 
 
-async def _loop_lag(stop: asyncio.Event) -> tuple[float, float]:
+def _loop_thread_cpu() -> float:
+    """Seconds the calling thread has run on a CPU (0 where Linux's schedstat is missing)."""
+    return _loop_thread_sched()[0]
+
+
+async def _loop_lag(stop: asyncio.Event) -> tuple[float, float, float]:
     """The event loop's longest stall, in seconds, until ``stop`` is set (1 ms sleeps that
-    overrun), and the CPU time the loop's thread ran in that sleep: its own work; the rest
-    of the stall it waited for a CPU (or the host ran something else on this virtual one)."""
-    worst = worst_cpu = 0.0
+    overrun); the CPU time the loop's thread ran in that sleep (its own work), and the time
+    it waited, runnable, for a CPU. The rest of the stall it was blocked (a lock, a page
+    fault's I/O), or the host ran something else on its virtual CPU."""
+    worst = worst_cpu = worst_wait = 0.0
     while not stop.is_set():
-        t, cpu = time.perf_counter(), _loop_thread_cpu()
+        t, (cpu, wait) = time.perf_counter(), _loop_thread_sched()
         await asyncio.sleep(0.001)
         lag = time.perf_counter() - t - 0.001
         if lag > worst:
-            worst, worst_cpu = lag, _loop_thread_cpu() - cpu
-    return worst, worst_cpu
+            cpu_after, wait_after = _loop_thread_sched()
+            worst, worst_cpu, worst_wait = lag, cpu_after - cpu, wait_after - wait
+    return worst, worst_cpu, worst_wait
 
 
 async def _first_allocate_stall(size: int) -> tuple[float, ...]:
@@ -305,9 +314,10 @@ async def registration(sizes: tuple[int, ...], progress: Progress) -> dict[str, 
                 region = await agent.allocate_async(size)
                 keep("allocate_async_gibps", size / (time.perf_counter() - start) / (1 << 30))
                 stop.set()
-                lag, lag_cpu = await task
+                lag, lag_cpu, lag_wait = await task
                 if lag * 1e3 > row.get("allocate_async_max_stall_ms", -1.0):
                     row["allocate_async_max_stall_cpu_ms"] = lag_cpu * 1e3
+                    row["allocate_async_max_stall_runq_ms"] = lag_wait * 1e3
                 keep("allocate_async_max_stall_ms", lag * 1e3)
                 await region.close()
                 del region
@@ -1037,8 +1047,9 @@ def render(r: Results) -> str:
                 f" ({v['allocate_async_gibps'] / v['populate_memfd_gibps']:.2f}x), longest event-loop stall"
                 f" {v['allocate_async_max_stall_ms']:.1f} ms"
                 + (
-                    f" (the loop's own work in it {v['allocate_async_max_stall_cpu_ms']:.1f} ms)"
-                    if "allocate_async_max_stall_cpu_ms" in v
+                    f" (the loop's own work in it {v['allocate_async_max_stall_cpu_ms']:.1f} ms,"
+                    f" waiting for a CPU {v['allocate_async_max_stall_runq_ms']:.1f} ms)"
+                    if "allocate_async_max_stall_runq_ms" in v
                     else ""
                 )
             )
