@@ -134,6 +134,10 @@ def test_bench_quick_writes_json(tmp_path):
     assert off["off_over_default"] == off["off_us"] / off["default_us"]
     assert "to a target with notify_poll_us=0" in proc.stdout
     assert "poll_off_beside" not in data["transports"]["loopback"]["notify"]["4 KiB"]  # its own loop: no target
+    awake = data["transports"]["tcp"]["notify"]["4 KiB"]["awake_target_beside"]
+    assert awake["rounds"] >= 2 and awake["ops"] > 0 and awake["default_us"] > 0
+    assert awake["awake_over_put"] == awake["awake_us"] / awake["awake_put_us"]
+    assert "to a target whose I/O thread polls through the gaps" in proc.stdout
     assert all(row["stream_beside_gbps"] > 0 for row in data["transports"]["tcp"]["bandwidth"].values())
     assert "against the blocking stream timed in the same" in proc.stdout
     # A stream that could not be timed beside the puts is said, not left out.

@@ -637,6 +637,10 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
                     timed["poll_off_beside"] = await notify_poll_beside(
                         agent, peer, target, remote, local, size, ops // ROUNDS, only
                     )
+                if name == "tcp":
+                    timed["awake_target_beside"] = await notify_awake_beside(
+                        agent, peer, target, remote, local, size, ops // ROUNDS, only
+                    )
             progress.step(f"{name} notification latency {_fmt_size(size)}")
         spliced = await stack.enter_async_context(_splicing(target, max_size)) if name == "tcp" else None
         for size in plan.bw_sizes:
@@ -771,6 +775,36 @@ async def notify_poll_beside(
             for (p, r, t), out in zip(arms, (on, no), strict=True):
                 out += await _notify_delays(agent, p, t, r, local, size, ops)
     return {**_off_against_default(on, no), "rounds": ROUNDS, "ops": len(on)}
+
+
+AWAKE_US = 1000  # serve_poll_us of notify_awake_beside's target: its I/O thread polls through the gaps
+
+
+async def notify_awake_beside(
+    agent: Any, peer: Any, target: Any, remote: Any, local: Any, size: int, ops: int, only: Any
+) -> dict[str, Any]:
+    """tcp: ``put(notify=)`` -> ``notification()`` to a target process whose I/O thread never
+    blocks between them (``serve_poll_us=AWAKE_US``: 1 ms, through the ping-pong's 100-150 us
+    gaps), in rounds alternating with the bench's target, and lone puts to it: what is left
+    of row 2 once waking the target's thread costs nothing. Medians of all of each arm's."""
+    on: list[float] = []
+    awake: list[float] = []
+    puts: list[float] = []
+    async with _target_with(agent, size, remote.name, only, serve_poll_us=AWAKE_US) as (p2, r2, t2):
+        for _ in range(ROUNDS):
+            on += await _notify_delays(agent, peer, target, remote, local, size, ops)
+            awake += await _notify_delays(agent, p2, t2, r2, local, size, ops)
+            puts += await _timed(p2.put, (r2[:size], local[:size]), ops, min(ops, 100))
+    on_us, awake_us, put_us = (statistics.median(x) * 1e6 for x in (on, awake, puts))
+    return {
+        "default_us": on_us,
+        "awake_us": awake_us,
+        "awake_put_us": put_us,
+        "awake_over_put": awake_us / put_us,
+        "serve_poll_us": AWAKE_US,
+        "rounds": ROUNDS,
+        "ops": len(on),
+    }
 
 
 async def busy_poll_latency(plan: Plan, size: int) -> dict[str, dict[str, float]]:
@@ -1236,6 +1270,14 @@ def render(r: Results) -> str:
                     f"    to a target with notify_poll_us=0 (its loop blocks after each), {off['rounds']} rounds"
                     f" alternating with the default (medians of {off['ops']} each): {off['off_us']:.1f} us"
                     f" against {off['default_us']:.1f} ({off['off_over_default']:.2f}x)"
+                )
+            awake = v.get("awake_target_beside")
+            if awake:
+                lines.append(
+                    f"    to a target whose I/O thread polls through the gaps (serve_poll_us={awake['serve_poll_us']}),"
+                    f" {awake['rounds']} rounds alternating with the default (medians of {awake['ops']} each):"
+                    f" {awake['awake_us']:.1f} us against {awake['default_us']:.1f}; its put alone"
+                    f" {awake['awake_put_us']:.1f} us ({awake['awake_over_put']:.2f}x)"
                 )
     for name, why in r.skipped.items():
         lines += ["", f"{name}: not measured: {why}"]
