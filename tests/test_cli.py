@@ -82,7 +82,8 @@ def test_bench_quick_writes_json(tmp_path):
     assert {"first_allocate_stall_ms", "close_stall_ms", "aclose_stall_ms"} <= set(reg)
     assert 0 <= reg["allocate_async_max_stall_cpu_ms"] <= reg["allocate_async_max_stall_ms"] + 1.0  # own work in it
     assert 0 <= reg["allocate_async_max_stall_runq_ms"] <= reg["allocate_async_max_stall_ms"] + 1.0  # runnable
-    assert "ms, waiting for a CPU" in proc.stdout
+    assert reg["allocate_async_max_stall_disk_faults"] >= 0
+    assert "ms, waiting for a CPU" in proc.stdout and "page faults read from disk" in proc.stdout
     assert "the loop's own work in it" in proc.stdout
     assert "beside await region.close()" in proc.stdout
 

@@ -206,20 +206,27 @@ def _loop_thread_cpu() -> float:
     return _loop_thread_sched()[0]
 
 
-async def _loop_lag(stop: asyncio.Event) -> tuple[float, float, float]:
+async def _loop_lag(stop: asyncio.Event) -> tuple[float, float, float, int]:
     """The event loop's longest stall, in seconds, until ``stop`` is set (1 ms sleeps that
-    overrun); the CPU time the loop's thread ran in that sleep (its own work), and the time
-    it waited, runnable, for a CPU. The rest of the stall it was blocked (a lock, a page
-    fault's I/O), or the host ran something else on its virtual CPU."""
+    overrun); the CPU time the loop's thread ran in that sleep (its own work), the time it
+    waited, runnable, for a CPU, and the page faults it took that read from disk. The rest
+    of the stall it was blocked (a lock, such a fault), or the host ran something else on
+    its virtual CPU."""
+    import resource
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
+
     worst = worst_cpu = worst_wait = 0.0
+    worst_faults = 0
     while not stop.is_set():
-        t, (cpu, wait) = time.perf_counter(), _loop_thread_sched()
+        t, (cpu, wait), majflt = time.perf_counter(), _loop_thread_sched(), faults()
         await asyncio.sleep(0.001)
         lag = time.perf_counter() - t - 0.001
         if lag > worst:
             cpu_after, wait_after = _loop_thread_sched()
-            worst, worst_cpu, worst_wait = lag, cpu_after - cpu, wait_after - wait
-    return worst, worst_cpu, worst_wait
+            worst, worst_cpu, worst_wait, worst_faults = lag, cpu_after - cpu, wait_after - wait, faults() - majflt
+    return worst, worst_cpu, worst_wait, worst_faults
 
 
 async def _first_allocate_stall(size: int) -> tuple[float, ...]:
@@ -314,10 +321,11 @@ async def registration(sizes: tuple[int, ...], progress: Progress) -> dict[str, 
                 region = await agent.allocate_async(size)
                 keep("allocate_async_gibps", size / (time.perf_counter() - start) / (1 << 30))
                 stop.set()
-                lag, lag_cpu, lag_wait = await task
+                lag, lag_cpu, lag_wait, lag_faults = await task
                 if lag * 1e3 > row.get("allocate_async_max_stall_ms", -1.0):
                     row["allocate_async_max_stall_cpu_ms"] = lag_cpu * 1e3
                     row["allocate_async_max_stall_runq_ms"] = lag_wait * 1e3
+                    row["allocate_async_max_stall_disk_faults"] = lag_faults
                 keep("allocate_async_max_stall_ms", lag * 1e3)
                 await region.close()
                 del region
@@ -1082,7 +1090,8 @@ def render(r: Results) -> str:
                 f" {v['allocate_async_max_stall_ms']:.1f} ms"
                 + (
                     f" (the loop's own work in it {v['allocate_async_max_stall_cpu_ms']:.1f} ms,"
-                    f" waiting for a CPU {v['allocate_async_max_stall_runq_ms']:.1f} ms)"
+                    f" waiting for a CPU {v['allocate_async_max_stall_runq_ms']:.1f} ms,"
+                    f" page faults read from disk {v['allocate_async_max_stall_disk_faults']})"
                     if "allocate_async_max_stall_runq_ms" in v
                     else ""
                 )
