@@ -767,6 +767,33 @@ async def serve_poll_beside(agent: Any, peer: Any, remote: Any, local: Any, ops:
     return {"sizes": result, "rounds": ROUNDS, "ops": ROUNDS * ops}
 
 
+async def _notify_against_target_with(
+    agent: Any,
+    peer: Any,
+    target: Any,
+    remote: Any,
+    local: Any,
+    size: int,
+    ops: int,
+    only: Any,
+    with_puts: bool = False,
+    **knobs: int,
+) -> tuple[list[float], list[float], list[float]]:
+    """``put(notify=)`` -> ``notification()`` delays to the bench's target and to a second
+    target process made with ``knobs``, in ROUNDS alternating rounds; ``with_puts``: and lone
+    puts to the second in the same rounds."""
+    on: list[float] = []
+    other: list[float] = []
+    puts: list[float] = []
+    async with _target_with(agent, size, remote.name, only, **knobs) as (p2, r2, t2):
+        for _ in range(ROUNDS):
+            on += await _notify_delays(agent, peer, target, remote, local, size, ops)
+            other += await _notify_delays(agent, p2, t2, r2, local, size, ops)
+            if with_puts:
+                puts += await _timed(p2.put, (r2[:size], local[:size]), ops, min(ops, 100))
+    return on, other, puts
+
+
 async def notify_poll_beside(
     agent: Any, peer: Any, target: Any, remote: Any, local: Any, size: int, ops: int, only: Any
 ) -> dict[str, Any]:
@@ -775,13 +802,7 @@ async def notify_poll_beside(
     made with ``notify_poll_us=0`` (its loop blocks in its selector after each), in alternating
     rounds: what waking the receiving loop for every notification costs on this host
     (docs/api.md, "Notifications"). Medians of all of each arm's notifications."""
-    on: list[float] = []
-    no: list[float] = []
-    async with _target_with(agent, size, remote.name, only, notify_poll_us=0) as off:
-        arms = ((peer, remote, target), off)
-        for _ in range(ROUNDS):
-            for (p, r, t), out in zip(arms, (on, no), strict=True):
-                out += await _notify_delays(agent, p, t, r, local, size, ops)
+    on, no, _ = await _notify_against_target_with(agent, peer, target, remote, local, size, ops, only, notify_poll_us=0)
     return {**_off_against_default(on, no), "rounds": ROUNDS, "ops": len(on)}
 
 
@@ -795,14 +816,9 @@ async def notify_awake_beside(
     blocks between them (``serve_poll_us=AWAKE_US``: 1 ms, through the ping-pong's 100-150 us
     gaps), in rounds alternating with the bench's target, and lone puts to it: what is left
     of row 2 once waking the target's thread costs nothing. Medians of all of each arm's."""
-    on: list[float] = []
-    awake: list[float] = []
-    puts: list[float] = []
-    async with _target_with(agent, size, remote.name, only, serve_poll_us=AWAKE_US) as (p2, r2, t2):
-        for _ in range(ROUNDS):
-            on += await _notify_delays(agent, peer, target, remote, local, size, ops)
-            awake += await _notify_delays(agent, p2, t2, r2, local, size, ops)
-            puts += await _timed(p2.put, (r2[:size], local[:size]), ops, min(ops, 100))
+    on, awake, puts = await _notify_against_target_with(
+        agent, peer, target, remote, local, size, ops, only, with_puts=True, serve_poll_us=AWAKE_US
+    )
     on_us, awake_us, put_us = (statistics.median(x) * 1e6 for x in (on, awake, puts))
     return {
         "default_us": on_us,
