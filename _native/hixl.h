@@ -139,6 +139,9 @@ enum { HX_TCP_SEND_SPLICE = 0, HX_TCP_SEND_COPY = 1 };
 void hx_agent_set_tcp_send(hx_agent *a, int way);
 /* tcp: bytes of such puts' frames sent by splice and by copy so far. */
 void hx_tcp_send_stats(hx_agent *a, uint64_t *spliced, uint64_t *copied);
+/* Tests: whether the answers on the way on tcp peer p are left for the
+ * poster to read (HX_POSTED_POLL), not the I/O thread. */
+int hx_test_tcp_poll_owed(hx_peer *p);
 /* Stops accepting work, fails queued work with HX_E_CLOSED, waits for work
  * already touching memory, joins native threads. Safe to call twice. */
 void hx_agent_shutdown(hx_agent *a);
@@ -180,8 +183,9 @@ void hx_peer_fail(hx_peer *p, int status);
  * after the op dep (0: none) placed every byte, and not at all if it failed;
  * the op op_id completes once it is queued there. HX_E_BUSY: the local queue
  * (loopback) is full, try again after draining; HX_E_INVAL: this transport
- * carries none. */
-int hx_peer_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len);
+ * carries none. flags: HX_OP_POLL, as for hx_peer_post (HX_POSTED_POLL: the
+ * caller's hx_peer_await reads its answer, and those of the ops it follows). */
+int hx_peer_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len, int flags);
 /* 0 while the peer works, else the status its ops now fail with. */
 int hx_peer_status(hx_peer *p);
 /* p's successful completions prove the remote end of channel alive (verbs: an

@@ -71,7 +71,7 @@ typedef struct hx_job {
 typedef struct hx_peer_ops {
     int (*post)(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n);
     /* A notification for the peer's agent (NULL: the transport carries none). */
-    int (*note)(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len);
+    int (*note)(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len, int flags);
     void (*fail)(hx_peer *p, int status);
     void (*destroy)(hx_peer *p);
     int transport; /* HX_TRANSPORT_*: the slot of the agent's counters (hx_stats) */

@@ -113,6 +113,12 @@ def forge_bell_record(peer: Peer, seq_skew: int, length: int, tail_step: int) ->
     return int(lib.hx_test_shm_forge(_peer(peer).notes.handle, seq_skew, length, tail_step))
 
 
+def answers_left_to_poster(peer: Peer) -> bool:
+    """tcp: whether the answers on the way on ``peer`` are left for the task that awaits
+    them to read (HX_POSTED_POLL), not its agent's I/O thread."""
+    return bool(lib.hx_test_tcp_poll_owed(_peer(peer).notes.handle))
+
+
 def _agent(agent: Agent) -> AgentCore:
     return agent._core  # the one reach into an Agent
 

@@ -334,6 +334,25 @@ async def test_lone_puts_end_where_their_answers_are_read_each_once(pair):
     )
 
 
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_lone_put_with_a_notification_leaves_both_answers_to_its_task(pair):
+    """A lone put(notify=) goes out in one send with its message, and both answers are left
+    for the task that awaits it to read, as a lone put's is: neither wakes the I/O thread,
+    then the loop. The messages arrive in order, each once its data is in place."""
+    peer, kv, src, src_arr, target = pair["peer"], pair["kv"], pair["src"], pair["src_arr"], pair["target"]
+    size, count = 4096, 32
+    collect = asyncio.create_task(target.cmd(op="collect", n=count))
+    left = 0
+    for i in range(count):
+        op = peer.put(kv[i * size : (i + 1) * size], src[i * size : (i + 1) * size], notify=f"n{i}".encode())
+        left += hooks.answers_left_to_poster(peer)
+        await op
+    assert left  # polls can miss on a busy machine (the next few are then not polled), not all
+    assert [data for _, data in (await collect)["notes"]] == [f"n{i}" for i in range(count)]
+    assert await target.hash("kv", 0, size * count) == sha(src_arr[: size * count])
+    assert pair["agent"].outstanding == 0
+
+
 async def test_held_puts_of_a_peer_closed_at_once_end_and_nothing_hangs():
     target = await Target.start()
     try:

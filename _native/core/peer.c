@@ -68,7 +68,7 @@ int hx_peer_post1(hx_peer *p, int opcode, uint64_t op_id, uint32_t local_region,
     return hx_peer_post(p, opcode, op_id, &sge, 1);
 }
 
-int hx_peer_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len)
+int hx_peer_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len, int flags)
 {
     if (atomic_load(&p->closed))
         return HX_E_CLOSED;
@@ -77,7 +77,7 @@ int hx_peer_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, 
         return failed;
     if (len > HX_NOTE_MAX || !p->ops->note)
         return HX_E_INVAL;
-    int rc = p->ops->note(p, op_id, dep, data, len);
+    int rc = p->ops->note(p, op_id, dep, data, len, flags);
     if (rc >= 0)
         atomic_fetch_add_explicit(&p->agent->stats.notes_sent, 1, memory_order_relaxed);
     return rc;

@@ -9,10 +9,11 @@ static int lb_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, u
 
 /* Ops of a loopback peer finish before the call that posts the next returns
  * or are awaited by Python first, so the message lands after its data. */
-static int lb_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len)
+static int lb_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len, int flags)
 {
     (void)op_id;
     (void)dep;
+    (void)flags;
     int rc = hx_note_push(p->agent, 0, data, len, 0, 0, 0);
     return rc == HX_OK ? HX_DONE_INLINE : rc;
 }

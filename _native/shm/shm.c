@@ -38,10 +38,11 @@ static int shm_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, 
 }
 
 /* Python sends a note only once the ops it follows completed, so never with a dep. */
-static int shm_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len)
+static int shm_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len, int flags)
 {
     shm_peer *s = (shm_peer *)p;
     (void)op_id;
+    (void)flags; /* a doorbell has no answer to poll for */
     if (!s->bell.h || dep)
         return HX_E_INVAL;
     return bell_out_ring(&s->bell, data, len);

@@ -25,15 +25,14 @@ hx_peer *hx_tcp_connect_fd(hx_agent *a, int fd, int *status)
 /* Queues an op's frames and sends what fits on this thread: small ops go
  * out at once, the I/O thread streams the rest, so the caller's event loop
  * never waits on a big send. Frees them when the connection is gone. With
- * poll_ok, an op sent whole with nothing before it unanswered is
- * HX_POSTED_POLL (its answer is the next to come), unless the last poll
- * missed (poll_skip). */
+ * poll_ok, an op sent whole with nothing before it on the way (unanswered
+ * ops held for it go out with it) is HX_POSTED_POLL: the answers to come
+ * are this send's. Unless the last poll missed (poll_skip). */
 static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count, bool hold, uint64_t *done_at,
                   bool poll_ok)
 {
     int rc = HX_POSTED;
     pthread_mutex_lock(&c->lock);
-    uint64_t before = c->queued;
     if (c->broken) {
         rc = HX_E_CONNLOST;
     } else if (hold && (!done_at || c->unsent || c->answered != c->queued)) {
@@ -49,9 +48,10 @@ static int submit(hx_agent *a, conn *c, frame *first, frame *last, int count, bo
         tcp_append_locked(c, first, last, (uint32_t)count);
         rc = HX_POSTED_HELD;
     } else {
-        /* Its answer is the next to come, and the last poll caught its answer:
-         * the poster reads it (HX_POSTED_POLL). */
-        bool poll = poll_ok && !c->unsent && c->answered == before;
+        /* Nothing is on the way (what is queued is unsent: held for this op),
+         * so the answers to come are those of this send, and the last poll
+         * caught its answers: the poster reads them (HX_POSTED_POLL). */
+        bool poll = poll_ok && c->head == c->unsent;
         if (poll && c->poll_skip) {
             c->poll_skip--;
             poll = false;
@@ -144,7 +144,7 @@ static int poll_answer(hx_agent *a, conn *c, uint64_t op_id, uint64_t done_at, u
     return tcp_inline_done ? HX_DONE_INLINE : HX_POSTED;
 }
 
-static int tcp_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len)
+static int tcp_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len, int flags)
 {
     conn *c = (conn *)p;
     tcp_op *op = calloc(1, sizeof *op);
@@ -168,13 +168,25 @@ static int tcp_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *dat
     f->owned = copy;
     f->data = copy;
     f->datalen = len;
-    int rc = submit(p->agent, c, f, f, 1, false, NULL, false);
-    if (rc != HX_POSTED) {
+    /* Polled as a lone op is: behind its put (held for it, put(notify=)) it
+     * goes out with it, and the poster reads both answers. */
+    bool poll = (flags & HX_OP_POLL) && !T(p->agent)->busy_ns;
+    int rc = submit(p->agent, c, f, f, 1, false, NULL, poll);
+    if (rc != HX_POSTED && rc != HX_POSTED_POLL) {
         free(copy);
         free(f);
         free(op);
     }
     return rc;
+}
+
+int hx_test_tcp_poll_owed(hx_peer *p)
+{
+    conn *c = (conn *)p;
+    pthread_mutex_lock(&c->lock);
+    bool owed = c->polling && c->poll_owed;
+    pthread_mutex_unlock(&c->lock);
+    return owed;
 }
 
 /* The initiator's heartbeat: W_PING, answered R_PONG in order. */

@@ -172,7 +172,7 @@ uint32_t vb_random_psn(void);
 
 /* post.c */
 int vb_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n);
-int vb_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len);
+int vb_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len, int flags);
 /* Whether op can be posted now: room in the send queue (and a send buffer). */
 bool vb_fits(vqp *q, vop *op);
 /* Releases op's regions and completes it with status. */

@@ -319,12 +319,16 @@ class Engine:
         None when it went in at once, or ``BUSY`` when the receiving queue has no room."""
         op_id = self.last_op_id = self._next_id
         self._next_id += 1
-        rc = _post_note(handle, op_id, dep, data, len(data))
+        rc = _post_note(handle, op_id, dep, data, len(data), self._poll)
         if rc == 1:  # HX_DONE_INLINE
             self.completed += 1
             return None
         if rc == _BUSY:
             return self.BUSY
+        if rc == 3:  # HX_POSTED_POLL: read as it is awaited, with the answer of the put it follows
+            waiter = PolledOp(self, handle, op_id)
+            self._ops[op_id] = (waiter, (), what, owner)
+            return waiter
         return self._track(op_id, rc, (), what, owner)
 
     def _track(self, op_id: int, rc: int, keep: tuple[object, ...], what: str, owner: OpOwner | None) -> Any:
