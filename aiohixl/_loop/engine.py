@@ -208,11 +208,7 @@ class Engine:
         if rc == 1:  # HX_DONE_INLINE
             self.completed += 1
             return None
-        if rc == 3:  # HX_POSTED_POLL
-            waiter = PolledOp(self, handle, op_id)
-            self._ops[op_id] = (waiter, keep, what, owner)
-            return waiter
-        return self._track(op_id, rc, keep, what, owner)
+        return self._track(op_id, rc, keep, what, owner, handle)
 
     def post1(self, handle: Any, opcode: int, rs: RemoteSlice, ls: RegionSlice, what: str, owner: OpOwner) -> Any:
         """post() of one checked pair, with scalar arguments: the hot path of a single put/get.
@@ -325,18 +321,21 @@ class Engine:
             return None
         if rc == _BUSY:
             return self.BUSY
-        if rc == 3:  # HX_POSTED_POLL: read as it is awaited, with the answer of the put it follows
-            waiter = PolledOp(self, handle, op_id)
-            self._ops[op_id] = (waiter, (), what, owner)
-            return waiter
-        return self._track(op_id, rc, (), what, owner)
+        return self._track(op_id, rc, (), what, owner, handle)
 
-    def _track(self, op_id: int, rc: int, keep: tuple[object, ...], what: str, owner: OpOwner | None) -> Any:
+    def _track(
+        self, op_id: int, rc: int, keep: tuple[object, ...], what: str, owner: OpOwner | None, handle: Any = None
+    ) -> Any:
+        """The waiter of a posted op, recorded. HX_POSTED_POLL (through peer ``handle``): one
+        whose answer, and those of what it went out with, the awaiting task reads (``poll_lone``)."""
         if rc < 0:
             raise status_error(rc, what)
-        backend = self.backend
-        assert backend is not None
-        waiter = backend.new_waiter()
+        if rc == 3:  # HX_POSTED_POLL
+            waiter: Any = PolledOp(self, handle, op_id)
+        else:
+            backend = self.backend
+            assert backend is not None
+            waiter = backend.new_waiter()
         self._ops[op_id] = (waiter, keep, what, owner)
         return waiter
 
