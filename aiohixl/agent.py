@@ -18,6 +18,7 @@ from .memory import Access, Region, RegionSlice, parse_access
 from .notifications import Notification
 from .peer import Peer
 from .rc import RcExport, RcPeer
+from .transports import Options as TransportOptions
 
 __all__ = ["Agent"]
 
@@ -141,21 +142,19 @@ class Agent:
         self._token = token
         if listen is not None or token is not None:
             c.resolve_token(token, "Agent(listen=...)" if listen is not None else "Agent(token=...)")
-        options = dict(
+        options = TransportOptions(
+            heartbeat=(heartbeat_interval, heartbeat_timeout),
+            stall_timeout=stall_timeout,
+            busy_poll_us=busy_poll_us,
+            serve_poll_us=serve_poll_us,
+            tcp_send=tcp_send,
             rdma_device=rdma_device,
             rdma_port=rdma_port,
             rdma_gid_index=rdma_gid_index,
             rdma_timeout=rdma_timeout,
             rdma_retry_count=rdma_retry_count,
-            stall_timeout=stall_timeout,
-            busy_poll_us=busy_poll_us,
-            serve_poll_us=serve_poll_us,
-            tcp_send=tcp_send,
         )
-        heartbeat = (heartbeat_interval, heartbeat_timeout)
-        core = AgentCore(
-            self, name, allowed, heartbeat, max_inflight, copy_threads, max_notifications, options, notify_poll_us
-        )
+        core = AgentCore(self, name, allowed, max_inflight, copy_threads, max_notifications, options, notify_poll_us)
         self._core = core
         self.id = core.id
         self.name = core.name

@@ -30,11 +30,10 @@ class AgentCore:
         agent: Any,
         name: str | None,
         allowed: tuple[str, ...],
-        heartbeat: tuple[float, float],
         max_inflight: int,
         copy_threads: int,
         max_notifications: int,
-        transport_options: dict[str, Any],
+        transport_options: tr.Options,
         notify_poll_us: int,
     ) -> None:
         self.agent = agent  # the public Agent: what a region names as its own
@@ -42,14 +41,14 @@ class AgentCore:
         self.name = name or f"agent-{os.getpid()}-{self.id[:4].hex()}"
         self.allowed = allowed
         self.host_identity = c.HostIdentity.local()
-        self.heartbeat = heartbeat
+        self.heartbeat = transport_options.heartbeat
         self.engine = Engine(max_inflight, copy_threads)
         self.threads = copy_threads
         # senders' (name, agent id), by session key
         self._names: collections.OrderedDict[int, tuple[str, bytes]] = collections.OrderedDict()
         self.inbox = Inbox(self.engine, max_notifications, self._names, (self.name, self.id), notify_poll_us)
         self.engine.on_wake = self.inbox.pull
-        self.transports = tr.make(self, allowed, {**transport_options, "heartbeat": heartbeat})
+        self.transports = tr.make(self, allowed, transport_options)
         self.regions = Regions(self)
         self.peers: set[PeerCore] = set()
         self.listener: Listener | None = None

@@ -7,15 +7,13 @@ transport parametrization of ``tests/test_contract.py``.
 
 from __future__ import annotations
 
-from typing import Any
-
-from .base import AgentView, Dial, Link, Transport
+from .base import AgentView, Dial, Link, Options, Transport
 from .loopback import LoopbackTransport
 from .shm import ShmTransport
 from .tcp import TcpTransport
 from .verbs import VerbsTransport
 
-__all__ = ["ALL", "NAMES", "Dial", "Link", "Transport", "make"]
+__all__ = ["ALL", "NAMES", "Dial", "Link", "Options", "Transport", "make"]
 
 ALL: dict[str, type[Transport]] = {
     t.name: t for t in sorted((LoopbackTransport, TcpTransport, ShmTransport, VerbsTransport), key=lambda t: t.rank)
@@ -23,7 +21,7 @@ ALL: dict[str, type[Transport]] = {
 NAMES = tuple(ALL)
 
 
-def make(agent: AgentView, names: tuple[str, ...], options: dict[str, Any]) -> dict[str, Transport]:
+def make(agent: AgentView, names: tuple[str, ...], options: Options) -> dict[str, Transport]:
     """The transports an agent allows, by name, in order of preference.
 
     Some are always made (loopback never leaves the agent; tcp carries every

@@ -29,6 +29,23 @@ Pair = tuple[RemoteSlice, RegionSlice]
 Handler = Callable[[Any], Awaitable[None] | None]
 
 
+@dataclass(frozen=True)
+class Options:
+    """What ``Agent(...)`` says of its transports, checked there (its signature holds the
+    defaults: one place)."""
+
+    heartbeat: tuple[float, float]  # (interval, timeout), seconds
+    stall_timeout: float
+    busy_poll_us: int
+    serve_poll_us: int
+    tcp_send: str
+    rdma_device: str | None
+    rdma_port: int | None
+    rdma_gid_index: int | None
+    rdma_timeout: int
+    rdma_retry_count: int
+
+
 class AgentView(Protocol):
     """What a transport may use of its agent."""
 
@@ -105,7 +122,7 @@ class Transport:
     # Makes the native channel of a peer that has none among its links (tcp).
     makes_channels: ClassVar[bool] = False
 
-    def __init__(self, agent: AgentView, options: dict[str, Any]) -> None:
+    def __init__(self, agent: AgentView, options: Options) -> None:
         self.agent = agent
         self.unavailable: str | None = None  # why this agent cannot use it; None when it can
 

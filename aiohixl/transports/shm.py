@@ -27,7 +27,7 @@ from .._loop.native import ffi, lib
 from ..descriptor import RegionInfo
 from ..errors import HixlError
 from ..memory import Access
-from .base import AgentView, ControlView, Dial, Link, ListenerView, SessionView, Transport
+from .base import AgentView, ControlView, Dial, Link, ListenerView, Options, SessionView, Transport
 from .tcp import session_key
 
 # The unix socket that hands out memfds: request region u32 + key u64 +
@@ -156,7 +156,7 @@ class ShmTransport(Transport):
     name = "shm"
     rank = 1
 
-    def __init__(self, agent: AgentView, options: dict[str, Any]) -> None:
+    def __init__(self, agent: AgentView, options: Options) -> None:
         super().__init__(agent, options)
         # 16 bytes a same-host peer reads with process_vm_readv to learn
         # whether cross-memory attach to this process is permitted.

@@ -9,12 +9,10 @@ moving bytes.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .._control import handshake as c
 from .._control import wire as w
 from .._loop.native import check, ffi, lib
-from .base import AgentView, Dial, Link, SessionView, Transport
+from .base import AgentView, Dial, Link, Options, SessionView, Transport
 
 _TCP_SEND = {"copy": lib.HX_TCP_SEND_COPY, "splice": lib.HX_TCP_SEND_SPLICE}
 
@@ -35,16 +33,15 @@ class TcpTransport(Transport):
     always = True
     makes_channels = True
 
-    def __init__(self, agent: AgentView, options: dict[str, Any]) -> None:
+    def __init__(self, agent: AgentView, options: Options) -> None:
         super().__init__(agent, options)
-        stall = options.get("stall_timeout", 10.0)  # checked by Agent
         native = agent.engine.native
-        lib.hx_agent_set_stall(native, int(stall * 1e9))
-        interval, timeout = options.get("heartbeat", (1.0, 5.0))
+        lib.hx_agent_set_stall(native, int(options.stall_timeout * 1e9))
+        interval, timeout = options.heartbeat
         lib.hx_agent_set_heartbeat(native, int(interval * 1e9), int(timeout * 1e9))
-        lib.hx_agent_set_busy_poll(native, options.get("busy_poll_us", 0))
-        lib.hx_agent_set_serve_poll(native, options.get("serve_poll_us", 20))
-        lib.hx_agent_set_tcp_send(native, _TCP_SEND[options.get("tcp_send", "copy")])
+        lib.hx_agent_set_busy_poll(native, options.busy_poll_us)
+        lib.hx_agent_set_serve_poll(native, options.serve_poll_us)
+        lib.hx_agent_set_tcp_send(native, _TCP_SEND[options.tcp_send])
 
     async def take_data_connection(self, ch: c.Channel, session: SessionView) -> bool:
         fd = ch.fileno_for_handoff()

@@ -24,7 +24,7 @@ from .._loop.native import ffi, lib
 from ..descriptor import RegionInfo
 from ..errors import ProtocolError
 from ..memory import Region
-from .base import AgentView, ControlView, Dial, Handler, Link, Pair, SessionView, Transport
+from .base import AgentView, ControlView, Dial, Handler, Link, Options, Pair, SessionView, Transport
 from .tcp import session_key
 
 KEY_RKEY = 1  # descriptor key: the verbs rkey of the region (u32 little endian)
@@ -110,16 +110,10 @@ class VerbsTransport(Transport):
     name = "verbs"
     rank = 2
 
-    def __init__(self, agent: AgentView, options: dict[str, Any]) -> None:
+    def __init__(self, agent: AgentView, options: Options) -> None:
         super().__init__(agent, options)
-        timeout, retries = options.get("rdma_timeout", 14), options.get("rdma_retry_count", 7)  # checked by Agent
-        self._args = (
-            options.get("rdma_device"),
-            options.get("rdma_port"),
-            options.get("rdma_gid_index"),
-            timeout,
-            retries,
-        )
+        o = options
+        self._args = (o.rdma_device, o.rdma_port, o.rdma_gid_index, o.rdma_timeout, o.rdma_retry_count)
         self.device: RdmaChoice | None = None
         self._rkeys: dict[int, int] = {}
         self.exports: dict[int, set[Export]] = {}  # by region id: closed with their region
