@@ -617,6 +617,57 @@ static void summarize_rtt(double *samples, uint64_t n, double elapsed, hb_rtt_re
     out->mean_us = elapsed / (double)n * 1e6;
 }
 
+/* One round trip of a timing loop: 0, or -1 with errno set (0: the responder went away). */
+typedef int (*round_trip_fn)(void *ctx);
+
+/* Times once(ctx) after RTT_WARMUP untimed ones, for `seconds` and at least 100 samples. */
+static int time_rtt(round_trip_fn once, void *ctx, double seconds, const char *what, hb_rtt_result *out)
+{
+    double *samples = malloc(RTT_MAX_SAMPLES * sizeof *samples);
+    if (!samples) {
+        out->err = ENOMEM;
+        out->where = "alloc";
+        return -1;
+    }
+    uint64_t n = 0;
+    double t0 = 0, start = 0, t = 0;
+    for (int i = -RTT_WARMUP; n < RTT_MAX_SAMPLES; i++) {
+        if (i == 0)
+            start = now();
+        if (i >= 0)
+            t0 = now();
+        errno = 0;
+        if (once(ctx) < 0) {
+            out->err = errno ? errno : EPIPE;
+            out->where = what;
+            free(samples);
+            return -1;
+        }
+        if (i >= 0) {
+            t = now();
+            samples[n++] = t - t0;
+            if (t - start >= seconds && n >= 100)
+                break;
+        }
+    }
+    summarize_rtt(samples, n, t - start, out);
+    free(samples);
+    return 0;
+}
+
+typedef struct {
+    int fd, spin;
+    void *buf;
+    uint32_t request;
+} tcp_rtt_ctx;
+
+static int tcp_round_trip(void *p)
+{
+    tcp_rtt_ctx *c = p;
+    char k;
+    return send_all(c->fd, c->buf, c->request, c->spin) < 0 || recv_all(c->fd, &k, 1, c->spin) != 1 ? -1 : 0;
+}
+
 int hb_tcp_rtt(uint32_t request, int spin, double seconds, hb_rtt_result *out)
 {
     memset(out, 0, sizeof *out);
@@ -655,7 +706,6 @@ int hb_tcp_rtt(uint32_t request, int spin, double seconds, hb_rtt_result *out)
     }
     int rc = -1, fd = connect_loopback(port);
     void *buf = NULL;
-    double *samples = NULL;
     if (fd < 0) {
         out->err = errno;
         out->where = "connect";
@@ -665,34 +715,13 @@ int hb_tcp_rtt(uint32_t request, int spin, double seconds, hb_rtt_result *out)
     }
     nodelay(fd);
     buf = map_buf(request, 0x5a);
-    samples = malloc(RTT_MAX_SAMPLES * sizeof *samples);
-    if (!buf || !samples) {
+    if (!buf) {
         out->err = ENOMEM;
         out->where = "alloc";
         goto done;
     }
-    char k;
-    uint64_t n = 0;
-    double t0 = 0, start = 0, t;
-    for (int i = -RTT_WARMUP; n < RTT_MAX_SAMPLES; i++) {
-        if (i == 0)
-            start = now();
-        if (i >= 0)
-            t0 = now();
-        if (send_all(fd, buf, request, spin) < 0 || recv_all(fd, &k, 1, spin) != 1) {
-            out->err = errno ? errno : EPIPE;
-            out->where = "round trip";
-            goto done;
-        }
-        if (i >= 0) {
-            t = now();
-            samples[n++] = t - t0;
-            if (t - start >= seconds && n >= 100)
-                break;
-        }
-    }
-    summarize_rtt(samples, n, t - start, out);
-    rc = 0;
+    tcp_rtt_ctx ctx = {.fd = fd, .spin = spin, .buf = buf, .request = request};
+    rc = time_rtt(tcp_round_trip, &ctx, seconds, "round trip", out);
 done:
     close(fd);
     if (reap(pid) < 0 && rc == 0) {
@@ -701,7 +730,6 @@ done:
         rc = -1;
     }
     unmap_buf(buf, request);
-    free(samples);
     return rc;
 }
 
@@ -721,6 +749,14 @@ static void pin(int cpu)
     CPU_ZERO(&one);
     CPU_SET(cpu, &one);
     (void)sched_setaffinity(0, sizeof one, &one);
+}
+
+/* ctx: the {ping, pong} eventfds. */
+static int wake_round_trip(void *p)
+{
+    const int *fd = p;
+    uint64_t v = 1;
+    return write(fd[0], &v, sizeof v) != sizeof v || read(fd[1], &v, sizeof v) != sizeof v ? -1 : 0;
 }
 
 int hb_wake_rtt(double seconds, int apart, hb_rtt_result *out)
@@ -765,43 +801,16 @@ int hb_wake_rtt(double seconds, int apart, hb_rtt_result *out)
         }
     }
     int rc = -1;
-    double *samples = NULL;
-    uint64_t n = 0, v;
     if (pid < 0) {
         out->err = errno;
         out->where = "fork";
         goto done;
     }
-    samples = malloc(RTT_MAX_SAMPLES * sizeof *samples);
-    if (!samples) {
-        out->err = ENOMEM;
-        out->where = "alloc";
-        goto done;
-    }
-    double t0 = 0, start = 0, t = 0;
-    for (int i = -RTT_WARMUP; n < RTT_MAX_SAMPLES; i++) {
-        if (i == 0)
-            start = now();
-        if (i >= 0)
-            t0 = now();
-        v = 1;
-        if (write(ping, &v, sizeof v) != sizeof v || read(pong, &v, sizeof v) != sizeof v) {
-            out->err = errno ? errno : EPIPE;
-            out->where = "wake-up";
-            goto done;
-        }
-        if (i >= 0) {
-            t = now();
-            samples[n++] = t - t0;
-            if (t - start >= seconds && n >= 100)
-                break;
-        }
-    }
-    summarize_rtt(samples, n, t - start, out);
-    rc = 0;
+    int fds[2] = {ping, pong};
+    rc = time_rtt(wake_round_trip, fds, seconds, "wake-up", out);
 done:
     if (pid > 0) {
-        v = 2;
+        uint64_t v = 2;
         if (write(ping, &v, sizeof v) != sizeof v)
             kill(pid, SIGKILL);
         if (reap(pid) < 0 && rc == 0) {
@@ -812,7 +821,6 @@ done:
     }
     close(ping);
     close(pong);
-    free(samples);
     if (apart)
         (void)sched_setaffinity(0, sizeof allowed, &allowed);
     return rc;
