@@ -32,6 +32,8 @@ def _nothing(last: bool) -> None:
 
 class Backend:
     name: str
+    _turn_until = 0  # keep_turning's deadline (monotonic ns); 0: not turning
+    _turned: Callable[[bool], None] = staticmethod(_nothing)
 
     def watch(self, fd: int, on_readable: Callable[[], None]) -> None: ...
     def unwatch(self, fd: int) -> None: ...
@@ -62,6 +64,15 @@ class Backend:
         reaches ``until_ns``: what becomes ready (the wake fd) is seen on the next turn,
         and the other tasks run as they would. Its CPU is the cost. ``turned(False)`` is
         called on each turn, ``turned(True)`` once after the last."""
+        idle = self._turn_until == 0
+        self._turn_until = max(self._turn_until, until_ns)
+        self._turned = turned
+        if idle:
+            self._start_turning()
+
+    def _start_turning(self) -> None:
+        """Start the turns (a chain that checks ``_turn_until`` each time, and sets it back to
+        0 after its last)."""
 
 
 class Op:
@@ -238,17 +249,11 @@ class AsyncioBackend(Backend):
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task] = set()
-        self._turn_until = 0  # keep_turning's deadline; a turn past it stops the chain
-        self._turned: Callable[[bool], None] = _nothing
 
-    def keep_turning(self, until_ns: int, turned: Callable[[bool], None]) -> None:
+    def _start_turning(self) -> None:
         # A callback that puts itself back each turn: asyncio then selects with timeout 0.
         # Cheaper than a task (no coroutine step), and it holds no one up.
-        idle = self._turn_until == 0
-        self._turn_until = max(self._turn_until, until_ns)
-        self._turned = turned
-        if idle:
-            self.loop.call_soon(self._turn)
+        self.loop.call_soon(self._turn)
 
     def _turn(self) -> None:
         if time.monotonic_ns() < self._turn_until:
@@ -352,16 +357,10 @@ class TrioBackend(Backend):
         self.trio = trio
         self._scope: Any = None
         self._token = trio.lowlevel.current_trio_token()
-        self._turn_until = 0
-        self._turned: Callable[[bool], None] = _nothing
 
-    def keep_turning(self, until_ns: int, turned: Callable[[bool], None]) -> None:
-        idle = self._turn_until == 0
-        self._turn_until = max(self._turn_until, until_ns)
-        self._turned = turned
-        if idle:
-            # A runnable task makes trio's scheduler poll its fds with timeout 0.
-            self.trio.lowlevel.spawn_system_task(self._turn, name="aiohixl-keep-turning")
+    def _start_turning(self) -> None:
+        # A runnable task makes trio's scheduler poll its fds with timeout 0.
+        self.trio.lowlevel.spawn_system_task(self._turn, name="aiohixl-keep-turning")
 
     async def _turn(self) -> None:
         checkpoint = self.trio.lowlevel.checkpoint
