@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -566,6 +566,18 @@ async def small_ops(peer: Any, remote: Any, local: Any, total: int) -> dict[str,
     return out
 
 
+class _Path(NamedTuple):
+    """What one path's measurements go through."""
+
+    name: str
+    agent: Any
+    peer: Any
+    remote: Any
+    local: Any
+    target: TargetProcess | None
+    only: tuple[str, ...] | None  # connect(transports=): the path's own, for the targets made beside
+
+
 async def run_transport(name: str, plan: Plan, results: Results, progress: Progress, target: TargetProcess | None):
     """Measure ``name`` into results.transports, or say in results.skipped why not."""
     if name == "loopback":
@@ -596,92 +608,13 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
             if name == "shm-cma":
                 results.skipped[name] += " (cross-memory attach refused: see `aiohixl info`)"
             return
-        for size in plan.lat_sizes:
-            for op in ("put", "get"):
-                out["latency"][f"{op} {fmt_size(size)}"] = await latency(peer, op, remote, local, size, plan.lat_ops)
-                progress.step(f"{name} {op} latency {fmt_size(size)}")
-        size = plan.lat_sizes[0]
-        if name == "tcp":
-            out["latency"].update(await busy_poll_latency(plan, size))
-            progress.step(f"{name} latency, busy_poll_us={plan.busy_poll_us}")
-        out["latency"][f"put {fmt_size(size)} (slices per op)"] = await user_path_latency(
-            peer, remote, local, size, plan.lat_ops
-        )
-        if name == "tcp":
-            out["rtt_beside"] = await rtt_beside(
-                peer, remote, local, baselines.RTT_REQUEST, plan.lat_ops // ROUNDS, plan.rtt_seconds / 2
-            )
-            progress.step(f"{name} put latency beside the C round trip")
-            out["serve_poll_beside"] = await serve_poll_beside(agent, peer, remote, local, plan.lat_ops // ROUNDS)
-            progress.step(f"{name} put latency with the target's poll off, beside")
-        out["notify"] = {}
-        for size in (4 * KiB, 1 * MiB):
-            ops = plan.lat_ops // 5 if size > 64 * KiB else plan.lat_ops
-            note = await notify_latency(agent, peer, target, remote, local, size, ops)
-            put = out["latency"].get(f"put {fmt_size(size)}") or await latency(peer, "put", remote, local, size, ops)
-            out["notify"][fmt_size(size)] = timed = {**note, "put_median_us": put["median_us"]}
-            if size == 4 * KiB:
-                timed["beside"] = await notify_beside(
-                    agent, peer, target, remote, local, size, ops // ROUNDS, plan.rtt_seconds / 2
-                )
-                if target is not None:
-                    timed["poll_off_beside"] = await notify_poll_beside(
-                        agent, peer, target, remote, local, size, ops // ROUNDS, only
-                    )
-                if name == "tcp":
-                    timed["awake_target_beside"] = await notify_awake_beside(
-                        agent, peer, target, remote, local, size, ops // ROUNDS, only
-                    )
-            progress.step(f"{name} notification latency {fmt_size(size)}")
+        path = _Path(name, agent, peer, remote, local, target, only)
+        await _latencies(path, plan, progress, out)
+        out["notify"] = await _notifications(path, plan, progress, out["latency"])
         spliced = await stack.enter_async_context(_splicing(target, max_size)) if name == "tcp" else None
         for size in plan.bw_sizes:
-            depth = plan.inflight if size * plan.inflight <= max_size else max(1, max_size // size)
-            row: dict[str, Any] = {"one_gbps": await bandwidth(peer, remote, local, size, 1, plan.bw_seconds)}
-            # One at a time over the N ranges the N in flight use: what N in flight is compared
-            # with. The two alternate in rounds, each keeping its best, so that a machine
-            # slowing down or speeding up mid-run does not decide their ratio.
-            row["inflight"] = depth
-            row["one_span_gbps"] = row["inflight_gbps"] = 0.0
-            # Where ops end as they are posted, gather's own cost is most of N in flight's
-            # (see gather_floor): the same N posted together and awaited in turn shows the
-            # library's part alone.
-            in_turn = out["path"] in INLINE_PATHS and depth > 1 and size <= MiB
-            if in_turn:
-                row["in_turn_gbps"] = row["gather_bound_gbps"] = 0.0
-            # tcp: the blocking stream (row 6's limit) timed in the same rounds, each keeping its best.
-            if name == "tcp":
-                row["stream_beside_gbps"] = 0.0
-            cpu_s = elapsed = 0.0
-            for _ in range(ROUNDS):
-                if name == "tcp" and "stream_beside_error" not in row:
-                    # Its whole round, as the puts' figure is theirs (and iperf3's is its run's).
-                    try:
-                        stream = baselines.tcp_stream(plan.bw_seconds / ROUNDS)["whole"]
-                        row["stream_beside_gbps"] = max(row["stream_beside_gbps"], stream)
-                    except OSError as exc:
-                        row["stream_beside_error"] = str(exc)
-                        row["stream_beside_gbps"] = None
-                one = await bandwidth(peer, remote, local, size, 1, plan.bw_seconds / ROUNDS, depth)
-                row["one_span_gbps"] = max(row["one_span_gbps"], one)
-                cpu0 = target.cpu() if target else 0.0
-                t0 = time.perf_counter()
-                many = await bandwidth(peer, remote, local, size, depth, plan.bw_seconds / ROUNDS)
-                elapsed += time.perf_counter() - t0
-                cpu_s += (target.cpu() - cpu0) if target else 0.0
-                row["inflight_gbps"] = max(row["inflight_gbps"], many)
-                if spliced:  # the same puts with Agent(tcp_send="splice"), in the same rounds
-                    spl = await bandwidth(*spliced, size, depth, plan.bw_seconds / ROUNDS)
-                    row["splice_gbps"] = max(row.get("splice_gbps", 0.0), spl)
-                if in_turn:
-                    turn = await bandwidth(peer, remote, local, size, depth, plan.bw_seconds / ROUNDS, in_turn=True)
-                    row["in_turn_gbps"] = max(row["in_turn_gbps"], turn)
-                    bound = await bandwidth(
-                        peer, remote, local, size, 1, plan.bw_seconds / ROUNDS, depth, then_gather_done=True
-                    )
-                    row["gather_bound_gbps"] = max(row["gather_bound_gbps"], bound)
-            if target:
-                row["target_cpu_pct"] = 100 * cpu_s / elapsed
-            out["bandwidth"][fmt_size(size)] = row
+            inline = out["path"] in INLINE_PATHS
+            out["bandwidth"][fmt_size(size)] = await _bandwidth_row(path, plan, size, max_size, inline, spliced)
             progress.step(f"{name} bandwidth {fmt_size(size)}")
         out["gather_floor_us"], out["gather_floor_n"] = await gather_floor(plan.inflight), plan.inflight
         out["small_ops"] = await small_ops(peer, remote, local, plan.small_ops)
@@ -696,6 +629,113 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
             got = target.ask(f"hash {'udst' if name == 'shm-cma' else 'dst'} {max_size}")
         out["verified"] = got == want
     results.transports[name] = out
+
+
+async def _latencies(path: _Path, plan: Plan, progress: Progress, out: dict[str, Any]) -> None:
+    """One op at a time: put and get, tcp's latency mode, the put as users slice it, and tcp's
+    put beside the C round trip and to a target whose poll is off."""
+    name, agent, peer, remote, local = path.name, path.agent, path.peer, path.remote, path.local
+    for size in plan.lat_sizes:
+        for op in ("put", "get"):
+            out["latency"][f"{op} {fmt_size(size)}"] = await latency(peer, op, remote, local, size, plan.lat_ops)
+            progress.step(f"{name} {op} latency {fmt_size(size)}")
+    size = plan.lat_sizes[0]
+    if name == "tcp":
+        out["latency"].update(await busy_poll_latency(plan, size))
+        progress.step(f"{name} latency, busy_poll_us={plan.busy_poll_us}")
+    out["latency"][f"put {fmt_size(size)} (slices per op)"] = await user_path_latency(
+        peer, remote, local, size, plan.lat_ops
+    )
+    if name == "tcp":
+        out["rtt_beside"] = await rtt_beside(
+            peer, remote, local, baselines.RTT_REQUEST, plan.lat_ops // ROUNDS, plan.rtt_seconds / 2
+        )
+        progress.step(f"{name} put latency beside the C round trip")
+        out["serve_poll_beside"] = await serve_poll_beside(agent, peer, remote, local, plan.lat_ops // ROUNDS)
+        progress.step(f"{name} put latency with the target's poll off, beside")
+
+
+async def _notifications(
+    path: _Path, plan: Plan, progress: Progress, latencies: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """put(notify=) -> notification() at 4 KiB and 1 MiB; at 4 KiB also timed beside its limits,
+    and against targets made otherwise (its loop blocking after each; tcp: its I/O thread awake)."""
+    name, agent, peer, remote, local, target, only = path
+    rows: dict[str, dict[str, Any]] = {}
+    for size in (4 * KiB, 1 * MiB):
+        ops = plan.lat_ops // 5 if size > 64 * KiB else plan.lat_ops
+        note = await notify_latency(agent, peer, target, remote, local, size, ops)
+        put = latencies.get(f"put {fmt_size(size)}") or await latency(peer, "put", remote, local, size, ops)
+        rows[fmt_size(size)] = timed = {**note, "put_median_us": put["median_us"]}
+        if size == 4 * KiB:
+            timed["beside"] = await notify_beside(
+                agent, peer, target, remote, local, size, ops // ROUNDS, plan.rtt_seconds / 2
+            )
+            if target is not None:
+                timed["poll_off_beside"] = await notify_poll_beside(
+                    agent, peer, target, remote, local, size, ops // ROUNDS, only
+                )
+            if name == "tcp":
+                timed["awake_target_beside"] = await notify_awake_beside(
+                    agent, peer, target, remote, local, size, ops // ROUNDS, only
+                )
+        progress.step(f"{name} notification latency {fmt_size(size)}")
+    return rows
+
+
+async def _bandwidth_row(
+    path: _Path, plan: Plan, size: int, max_size: int, inline: bool, spliced: tuple[Any, Any, Any] | None
+) -> dict[str, Any]:
+    """One size's bandwidth: 1 in flight, then one at a time over N and N in flight in
+    alternating rounds (with, beside them in the same rounds, what each path compares with)."""
+    peer, remote, local, target = path.peer, path.remote, path.local, path.target
+    tcp = path.name == "tcp"
+    depth = plan.inflight if size * plan.inflight <= max_size else max(1, max_size // size)
+    row: dict[str, Any] = {"one_gbps": await bandwidth(peer, remote, local, size, 1, plan.bw_seconds)}
+    # One at a time over the N ranges the N in flight use: what N in flight is compared
+    # with. The two alternate in rounds, each keeping its best, so that a machine
+    # slowing down or speeding up mid-run does not decide their ratio.
+    row["inflight"] = depth
+    row["one_span_gbps"] = row["inflight_gbps"] = 0.0
+    # Where ops end as they are posted, gather's own cost is most of N in flight's
+    # (see gather_floor): the same N posted together and awaited in turn shows the
+    # library's part alone.
+    in_turn = inline and depth > 1 and size <= MiB
+    if in_turn:
+        row["in_turn_gbps"] = row["gather_bound_gbps"] = 0.0
+    # tcp: the blocking stream (row 6's limit) timed in the same rounds, each keeping its best.
+    if tcp:
+        row["stream_beside_gbps"] = 0.0
+    cpu_s = elapsed = 0.0
+    seconds = plan.bw_seconds / ROUNDS
+    for _ in range(ROUNDS):
+        if tcp and "stream_beside_error" not in row:
+            # Its whole round, as the puts' figure is theirs (and iperf3's is its run's).
+            try:
+                stream = baselines.tcp_stream(seconds)["whole"]
+                row["stream_beside_gbps"] = max(row["stream_beside_gbps"], stream)
+            except OSError as exc:
+                row["stream_beside_error"] = str(exc)
+                row["stream_beside_gbps"] = None
+        one = await bandwidth(peer, remote, local, size, 1, seconds, depth)
+        row["one_span_gbps"] = max(row["one_span_gbps"], one)
+        cpu0 = target.cpu() if target else 0.0
+        t0 = time.perf_counter()
+        many = await bandwidth(peer, remote, local, size, depth, seconds)
+        elapsed += time.perf_counter() - t0
+        cpu_s += (target.cpu() - cpu0) if target else 0.0
+        row["inflight_gbps"] = max(row["inflight_gbps"], many)
+        if spliced:  # the same puts with Agent(tcp_send="splice"), in the same rounds
+            spl = await bandwidth(*spliced, size, depth, seconds)
+            row["splice_gbps"] = max(row.get("splice_gbps", 0.0), spl)
+        if in_turn:
+            turn = await bandwidth(peer, remote, local, size, depth, seconds, in_turn=True)
+            row["in_turn_gbps"] = max(row["in_turn_gbps"], turn)
+            bound = await bandwidth(peer, remote, local, size, 1, seconds, depth, then_gather_done=True)
+            row["gather_bound_gbps"] = max(row["gather_bound_gbps"], bound)
+    if target:
+        row["target_cpu_pct"] = 100 * cpu_s / elapsed
+    return row
 
 
 @asynccontextmanager
