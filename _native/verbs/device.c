@@ -12,50 +12,42 @@
 #include <time.h>
 #include <unistd.h>
 
-int hx_verbs_open(hx_agent *a, const char *dev, int port, int gid_index, int timeout, int retry_cnt)
+/* Opens the device named `dev` (the first one when NULL or empty) into v->ctx. */
+static int open_device(hx_verbs *v, const char *dev)
 {
-    if (V(a))
-        return HX_OK;
-    hx_verbs *v = calloc(1, sizeof *v);
-    if (!v)
-        return HX_E_NOMEM;
-    v->stop_fd = -1;
-    if (vb_load_api(&v->api) < 0)
-        goto fail;
     int num = 0;
     struct ibv_device **list = v->api.get_device_list(&num);
-    if (!list || num == 0) {
-        VB_FAIL("no RDMA device");
-        if (list)
-            v->api.free_device_list(list);
-        goto fail;
-    }
     struct ibv_device *chosen = NULL;
-    for (int i = 0; i < num; i++)
-        if (!dev || !*dev || strcmp(v->api.get_device_name(list[i]), dev) == 0) {
+    for (int i = 0; list && i < num && !chosen; i++)
+        if (!dev || !*dev || strcmp(v->api.get_device_name(list[i]), dev) == 0)
             chosen = list[i];
-            break;
-        }
     if (!chosen) {
-        VB_FAIL("no RDMA device named %s", dev);
+        if (!list || num == 0)
+            VB_FAIL("no RDMA device");
+        else
+            VB_FAIL("no RDMA device named %s", dev);
+    } else {
+        v->ctx = v->api.open_device(chosen);
+        if (!v->ctx)
+            VB_FAIL("ibv_open_device failed: %s", strerror(errno));
+    }
+    if (list)
         v->api.free_device_list(list);
-        goto fail;
-    }
-    v->ctx = v->api.open_device(chosen);
-    v->api.free_device_list(list);
-    if (!v->ctx) {
-        VB_FAIL("ibv_open_device failed: %s", strerror(errno));
-        goto fail;
-    }
+    return v->ctx ? 0 : -1;
+}
+
+/* The port's state, limits and address: what a peer's QP is built against. */
+static int query_port(hx_verbs *v, int port, int gid_index)
+{
     struct ibv_port_attr pa;
     memset(&pa, 0, sizeof pa);
     if (v->api.query_port(v->ctx, (uint8_t)port, &pa)) {
         VB_FAIL("ibv_query_port(%d) failed: %s", port, strerror(errno));
-        goto fail;
+        return -1;
     }
     if (pa.state != IBV_PORT_ACTIVE) {
         VB_FAIL("port %d is not active (state %d)", port, pa.state);
-        goto fail;
+        return -1;
     }
     v->max_msg = 1u << 30;
     if (pa.max_msg_sz && pa.max_msg_sz < v->max_msg)
@@ -66,35 +58,32 @@ int hx_verbs_open(hx_agent *a, const char *dev, int port, int gid_index, int tim
     v->lid = pa.lid;
     if (v->api.query_gid(v->ctx, (uint8_t)port, gid_index, &v->gid)) {
         VB_FAIL("ibv_query_gid(%d) failed: %s", gid_index, strerror(errno));
-        goto fail;
+        return -1;
     }
-    v->timeout = timeout;
-    v->retry_cnt = retry_cnt;
+    return 0;
+}
+
+/* The protection domain, and the CQ with its completion channel and the thread's stop fd. */
+static int open_queues(hx_verbs *v)
+{
     v->pd = v->api.alloc_pd(v->ctx);
     v->ch = v->pd ? v->api.create_comp_channel(v->ctx) : NULL;
     v->cq = v->ch ? v->api.create_cq(v->ctx, 4 * SQ_DEPTH, NULL, v->ch, 0) : NULL;
     if (!v->cq) {
         VB_FAIL("creating the protection domain, completion channel or CQ failed: %s", strerror(errno));
-        goto fail;
+        return -1;
     }
     fcntl(v->ch->fd, F_SETFL, fcntl(v->ch->fd, F_GETFL) | O_NONBLOCK);
     v->stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    pthread_mutex_init(&v->lock, NULL);
-    pthread_cond_init(&v->drained, NULL);
-    atomic_init(&v->stop, false);
-    a->state[HX_TRANSPORT_VERBS] = v;
-    a->regs.release = vb_release_mr;
-    a->regs.release_ctx = v;
-    if (pthread_create(&v->thread, NULL, vb_completion_main, a) != 0) {
-        VB_FAIL("cannot start the completion thread");
-        a->state[HX_TRANSPORT_VERBS] = NULL;
-        a->regs.release = NULL;
-        goto fail;
+    if (v->stop_fd < 0) {
+        VB_FAIL("eventfd failed: %s", strerror(errno));
+        return -1;
     }
-    v->thread_started = true;
-    pthread_setname_np(v->thread, "hixl-verbs-cq");
-    return HX_OK;
-fail:
+    return 0;
+}
+
+static void free_unstarted(hx_verbs *v)
+{
     if (v->cq)
         v->api.destroy_cq(v->cq);
     if (v->ch)
@@ -108,7 +97,41 @@ fail:
     if (v->api.dl)
         dlclose(v->api.dl);
     free(v);
-    return HX_E_SYS;
+}
+
+int hx_verbs_open(hx_agent *a, const char *dev, int port, int gid_index, int timeout, int retry_cnt)
+{
+    if (V(a))
+        return HX_OK;
+    hx_verbs *v = calloc(1, sizeof *v);
+    if (!v)
+        return HX_E_NOMEM;
+    v->stop_fd = -1;
+    v->timeout = timeout;
+    v->retry_cnt = retry_cnt;
+    if (vb_load_api(&v->api) < 0 || open_device(v, dev) < 0 || query_port(v, port, gid_index) < 0 ||
+        open_queues(v) < 0) {
+        free_unstarted(v);
+        return HX_E_SYS;
+    }
+    pthread_mutex_init(&v->lock, NULL);
+    pthread_cond_init(&v->drained, NULL);
+    atomic_init(&v->stop, false);
+    a->state[HX_TRANSPORT_VERBS] = v;
+    a->regs.release = vb_release_mr;
+    a->regs.release_ctx = v;
+    if (pthread_create(&v->thread, NULL, vb_completion_main, a) != 0) {
+        VB_FAIL("cannot start the completion thread");
+        a->state[HX_TRANSPORT_VERBS] = NULL;
+        a->regs.release = NULL;
+        pthread_cond_destroy(&v->drained);
+        pthread_mutex_destroy(&v->lock);
+        free_unstarted(v);
+        return HX_E_SYS;
+    }
+    v->thread_started = true;
+    pthread_setname_np(v->thread, "hixl-verbs-cq");
+    return HX_OK;
 }
 
 int hx_verbs_local(hx_agent *a, uint8_t *gid, uint16_t *lid, int *mtu)
