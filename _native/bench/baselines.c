@@ -271,7 +271,7 @@ static double copy_batch(copier *c, uint64_t iters)
      * whenever this thread was not the first back on a CPU: with 3 threads on
      * 2 vCPUs the other two had copied their shares by then, and a batch of
      * one or two 64 MiB copies timed one share's time for the whole copy (up
-     * to 3x the rate; docs/benchmarks.md, "Rows 4, 5: the x3 limits' clock"). */
+     * to 3x the rate; docs/bench-history.md, "Rows 4, 5: the x3 limits' clock"). */
     double t0 = now();
     if (c->pieces > 1)
         pthread_barrier_wait(&c->go);

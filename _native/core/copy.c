@@ -9,7 +9,7 @@
 #include <string.h>
 
 /* Copies at or under this size run on the caller's thread: waking another
- * core costs more than the copy (docs/benchmarks.md). Cross-memory attach is
+ * core costs more than the copy (docs/bench-history.md). Cross-memory attach is
  * several times slower than memcpy, so its bound is lower for a submission
  * of several pieces (the pool's threads share them); one piece up to
  * HX_COPY_PIECE_MIN would be the caller's alone anyway, so it runs inline

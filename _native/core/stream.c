@@ -5,7 +5,7 @@
  * writing it. glibc's memcpy streams only a single call above its threshold
  * (48 MiB on the development VM), which the copy pool's pieces (1-6 MiB) never
  * reach: at 64 MiB the pieces copied at 0.6x one memcpy, streamed at 0.9x
- * (docs/benchmarks.md, "Streaming stores"). SSE2 is in every x86-64 CPU; other
+ * (docs/bench-history.md, "Streaming stores"). SSE2 is in every x86-64 CPU; other
  * architectures use memcpy. */
 #include "core/stream.h"
 #include <string.h>
