@@ -83,7 +83,9 @@ def test_bench_quick_writes_json(tmp_path):
     assert 0 <= reg["allocate_async_max_stall_cpu_ms"] <= reg["allocate_async_max_stall_ms"] + 1.0  # own work in it
     assert 0 <= reg["allocate_async_max_stall_runq_ms"] <= reg["allocate_async_max_stall_ms"] + 1.0  # runnable
     assert reg["allocate_async_max_stall_disk_faults"] >= 0
+    assert reg["allocate_async_max_stall_steal_ms"] >= 0  # the host's, on the guest's CPUs
     assert "ms, waiting for a CPU" in proc.stdout and "page faults read from disk" in proc.stdout
+    assert "the host's steal on the guest's CPUs" in proc.stdout
     assert "the loop's own work in it" in proc.stdout
     assert "beside await region.close()" in proc.stdout
 

@@ -189,27 +189,38 @@ def _loop_thread_cpu() -> float:
     return _loop_thread_sched()[0]
 
 
-async def _loop_lag(stop: asyncio.Event) -> tuple[float, float, float, int]:
+def _steal() -> float:
+    """Seconds the host has run something else while the guest's CPUs wanted to run, summed
+    over them (``steal`` in /proc/stat, in ticks of 10 ms; 0 where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+async def _loop_lag(stop: asyncio.Event) -> tuple[float, float, float, int, float]:
     """The event loop's longest stall, in seconds, until ``stop`` is set (1 ms sleeps that
     overrun); the CPU time the loop's thread ran in that sleep (its own work), the time it
-    waited, runnable, for a CPU, and the page faults it took that read from disk. The rest
-    of the stall it was blocked (a lock, such a fault), or the host ran something else on
-    its virtual CPU."""
+    waited, runnable, for a CPU, the page faults it took that read from disk, and the host's
+    steal time on the guest's CPUs meanwhile (the host ran something else on them). The rest
+    of the stall it was blocked (a lock, such a fault)."""
     import resource
 
     def faults() -> int:
         return resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
 
-    worst = worst_cpu = worst_wait = 0.0
+    worst = worst_cpu = worst_wait = worst_steal = 0.0
     worst_faults = 0
     while not stop.is_set():
-        t, (cpu, wait), majflt = time.perf_counter(), _loop_thread_sched(), faults()
+        t, (cpu, wait), majflt, steal = time.perf_counter(), _loop_thread_sched(), faults(), _steal()
         await asyncio.sleep(0.001)
         lag = time.perf_counter() - t - 0.001
         if lag > worst:
             cpu_after, wait_after = _loop_thread_sched()
-            worst, worst_cpu, worst_wait, worst_faults = lag, cpu_after - cpu, wait_after - wait, faults() - majflt
-    return worst, worst_cpu, worst_wait, worst_faults
+            worst, worst_cpu, worst_wait = lag, cpu_after - cpu, wait_after - wait
+            worst_faults, worst_steal = faults() - majflt, _steal() - steal
+    return worst, worst_cpu, worst_wait, worst_faults, worst_steal
 
 
 async def _first_allocate_stall(size: int) -> tuple[float, ...]:
@@ -304,11 +315,12 @@ async def registration(sizes: tuple[int, ...], progress: Progress) -> dict[str, 
                 region = await agent.allocate_async(size)
                 keep("allocate_async_gibps", size / (time.perf_counter() - start) / (1 << 30))
                 stop.set()
-                lag, lag_cpu, lag_wait, lag_faults = await task
+                lag, lag_cpu, lag_wait, lag_faults, lag_steal = await task
                 if lag * 1e3 > row.get("allocate_async_max_stall_ms", -1.0):
                     row["allocate_async_max_stall_cpu_ms"] = lag_cpu * 1e3
                     row["allocate_async_max_stall_runq_ms"] = lag_wait * 1e3
                     row["allocate_async_max_stall_disk_faults"] = lag_faults
+                    row["allocate_async_max_stall_steal_ms"] = lag_steal * 1e3
                 keep("allocate_async_max_stall_ms", lag * 1e3)
                 await region.close()
                 del region

@@ -312,7 +312,13 @@ def _registration(registration: dict[str, dict[str, Any]]) -> list[str]:
             + (
                 f" (the loop's own work in it {v['allocate_async_max_stall_cpu_ms']:.1f} ms,"
                 f" waiting for a CPU {v['allocate_async_max_stall_runq_ms']:.1f} ms,"
-                f" page faults read from disk {v['allocate_async_max_stall_disk_faults']})"
+                f" page faults read from disk {v['allocate_async_max_stall_disk_faults']}"
+                + (
+                    f", the host's steal on the guest's CPUs {v['allocate_async_max_stall_steal_ms']:.0f} ms"
+                    if "allocate_async_max_stall_steal_ms" in v
+                    else ""
+                )
+                + ")"
                 if "allocate_async_max_stall_runq_ms" in v
                 else ""
             )
