@@ -189,12 +189,15 @@ def _loop_thread_cpu() -> float:
     return _loop_thread_sched()[0]
 
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
 def _steal() -> float:
     """Seconds the host has run something else while the guest's CPUs wanted to run, summed
     over them (``steal`` in /proc/stat, in ticks of 10 ms; 0 where there is none)."""
     try:
         with open("/proc/stat") as f:
-            return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+            return int(f.readline().split()[8]) / _CLK_TCK
     except (OSError, ValueError, IndexError):
         return 0.0
 
@@ -625,8 +628,7 @@ async def run_transport(name: str, plan: Plan, results: Results, progress: Progr
         out["notify"] = await _notifications(path, plan, progress, out["latency"])
         spliced = await stack.enter_async_context(_splicing(target, max_size)) if name == "tcp" else None
         for size in plan.bw_sizes:
-            inline = out["path"] in INLINE_PATHS
-            out["bandwidth"][fmt_size(size)] = await _bandwidth_row(path, plan, size, max_size, inline, spliced)
+            out["bandwidth"][fmt_size(size)] = await _bandwidth_row(path, plan, size, max_size, spliced)
             progress.step(f"{name} bandwidth {fmt_size(size)}")
         out["gather_floor_us"], out["gather_floor_n"] = await gather_floor(plan.inflight), plan.inflight
         out["small_ops"] = await small_ops(peer, remote, local, plan.small_ops)
@@ -696,7 +698,7 @@ async def _notifications(
 
 
 async def _bandwidth_row(
-    path: _Path, plan: Plan, size: int, max_size: int, inline: bool, spliced: tuple[Any, Any, Any] | None
+    path: _Path, plan: Plan, size: int, max_size: int, spliced: tuple[Any, Any, Any] | None
 ) -> dict[str, Any]:
     """One size's bandwidth: 1 in flight, then one at a time over N and N in flight in
     alternating rounds (with, beside them in the same rounds, what each path compares with)."""
@@ -712,7 +714,7 @@ async def _bandwidth_row(
     # Where ops end as they are posted, gather's own cost is most of N in flight's
     # (see gather_floor): the same N posted together and awaited in turn shows the
     # library's part alone.
-    in_turn = inline and depth > 1 and size <= MiB
+    in_turn = PATH_OF[path.name] in INLINE_PATHS and depth > 1 and size <= MiB  # run_transport checked the path
     if in_turn:
         row["in_turn_gbps"] = row["gather_bound_gbps"] = 0.0
     # tcp: the blocking stream (row 6's limit) timed in the same rounds, each keeping its best.
