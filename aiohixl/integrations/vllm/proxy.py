@@ -35,9 +35,16 @@ class Upstream(Exception):
         self.who = who
 
 
+# How long an idle connection to an instance is kept for the next request. Below the
+# instances' own keep-alive (vLLM's: 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE): with aiohttp's 15 s,
+# a request sent on a connection the instance was closing failed as ServerDisconnectedError.
+KEEPALIVE = 2.0
+
+
 class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str], timeout: float) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], timeout: float, keepalive: float = KEEPALIVE) -> None:
         self.prefill, self.decode = prefill, decode
+        self.keepalive = keepalive
         self._p = itertools.cycle(prefill)
         self._d = itertools.cycle(decode)
         self.timeout = aiohttp.ClientTimeout(total=timeout)
@@ -45,7 +52,8 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self, app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0))
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive)
+        self.session = aiohttp.ClientSession(timeout=self.timeout, connector=connector)
 
     async def stop(self, app: web.Application) -> None:
         if self.session is not None:
@@ -185,8 +193,10 @@ def _error(status: int, message: str) -> web.Response:
     )
 
 
-def make_app(prefill: list[str], decode: list[str], timeout: float = 600.0) -> web.Application:
-    proxy = Proxy(prefill, decode, timeout)
+def make_app(
+    prefill: list[str], decode: list[str], timeout: float = 600.0, keepalive: float = KEEPALIVE
+) -> web.Application:
+    proxy = Proxy(prefill, decode, timeout, keepalive)
     app = web.Application(client_max_size=64 << 20)
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)
@@ -209,12 +219,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one upstream request may take")
+    ap.add_argument(
+        "--keepalive",
+        type=float,
+        default=KEEPALIVE,
+        help="seconds an idle connection to an instance is kept; below the instances' own (vLLM: 5)",
+    )
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # handler_cancellation: a client that goes away cancels its handler, which aborts both upstreams.
-    web.run_app(
-        make_app(a.prefill, a.decode, a.timeout), host=a.host, port=a.port, print=None, handler_cancellation=True
-    )
+    app = make_app(a.prefill, a.decode, a.timeout, a.keepalive)
+    web.run_app(app, host=a.host, port=a.port, print=None, handler_cancellation=True)
 
 
 if __name__ == "__main__":
