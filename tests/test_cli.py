@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 
-from aiohixl.tools import bench
+from aiohixl.tools import baselines, bench
 from aiohixl.tools.info import TransportStatus, transports
 
 
@@ -109,7 +109,7 @@ def test_bench_quick_writes_json(tmp_path):
     assert 0 < b["tcp_stream_gbps"] < 1000
     for how in ("blocking", "polling"):
         assert b["tcp_stream"][how]["whole"] > 0 and 0 < b["tcp_stream"][how]["best"] <= b["tcp_stream_gbps"]
-    for key in ("tcp_rtt_us", "tcp_rtt_spin_us", "wake_rtt_us", "wake_rtt_apart_us", "asyncio_wake_rtt_us"):
+    for key in baselines.RTT_KEYS:
         rtt = b[key]
         assert 0 < rtt["median"] <= rtt["p99"] and rtt["ops"] >= 100
     assert "eventfd wake-up round trip" in proc.stdout and "one-way wake-up" in proc.stdout  # beside the notifications
@@ -118,6 +118,9 @@ def test_bench_quick_writes_json(tmp_path):
     assert note["beyond_over_wake"] is not None and note["beyond_over_asyncio_wake"] is not None
     assert note["beyond_over_wake_apart"] == note["beyond_put_us"] / (b["wake_rtt_apart_us"]["median"] / 2)
     assert "the same, the 2 pinned to 2 CPUs:" in proc.stdout and "the one on two CPUs" in proc.stdout
+    assert note["beyond_over_wake_one_cpu"] == note["beyond_put_us"] / (b["wake_rtt_one_cpu_us"]["median"] / 2)
+    assert "the same through asyncio, the 2 pinned to 1 CPU:" in proc.stdout
+    assert "on one CPU: the native one-way wake-up" in proc.stdout
     # Rows whose ratio is to a limit are also timed beside it, in alternating rounds.
     for name in ("loopback", "tcp"):
         side = data["transports"][name]["notify"]["4 KiB"]["beside"]

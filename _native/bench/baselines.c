@@ -759,18 +759,18 @@ static int wake_round_trip(void *p)
     return write(fd[0], &v, sizeof v) != sizeof v || read(fd[1], &v, sizeof v) != sizeof v ? -1 : 0;
 }
 
-int hb_wake_rtt(double seconds, int apart, hb_rtt_result *out)
+int hb_wake_rtt(double seconds, int cpus, hb_rtt_result *out)
 {
     memset(out, 0, sizeof *out);
     cpu_set_t allowed;
     int cpu_a = 0, cpu_b = 0;
-    if (apart) {
+    if (cpus) {
         if (sched_getaffinity(0, sizeof allowed, &allowed) != 0)
             out->err = errno;
-        else if (!two_cpus(&allowed, &cpu_a, &cpu_b))
+        else if (!two_cpus(&allowed, &cpu_a, &cpu_b) && cpus == 2)
             out->err = EINVAL;
         if (out->err) {
-            out->where = "two CPUs to pin to";
+            out->where = cpus == 2 ? "two CPUs to pin to" : "a CPU to pin to";
             return -1;
         }
     }
@@ -782,13 +782,13 @@ int hb_wake_rtt(double seconds, int apart, hb_rtt_result *out)
             close(ping);
         return -1;
     }
-    if (apart)
+    if (cpus)
         pin(cpu_a); /* this thread; given back below */
     pid_t pid = fork_child();
     if (pid == 0) {
         /* The responder: each wake-up answered with one, until ping says 2 (the end). */
         uint64_t v;
-        if (apart)
+        if (cpus == 2)
             pin(cpu_b);
         for (;;) {
             if (read(ping, &v, sizeof v) != sizeof v)
@@ -821,7 +821,7 @@ done:
     }
     close(ping);
     close(pong);
-    if (apart)
+    if (cpus)
         (void)sched_setaffinity(0, sizeof allowed, &allowed);
     return rc;
 }

@@ -75,11 +75,12 @@ int hb_tcp_rtt(uint32_t request, int spin, double seconds, hb_rtt_result *out);
 /* Wake-up round trips to a forked child through two eventfds, each end
  * blocked in read() until the other's write(): half of one is the native
  * one-way wake-up between two processes, the least a notification that wakes
- * a blocked target can cost. apart = 1 pins the two ends to two CPUs (the
+ * a blocked target can cost. cpus = 2 pins the two ends to two CPUs (the
  * first two this thread may run on; EINVAL with fewer), so that each wake-up
- * is of a thread on another CPU; apart = 0 leaves them to the scheduler,
- * which may run both on one (then a wake-up is a context switch). */
-int hb_wake_rtt(double seconds, int apart, hb_rtt_result *out);
+ * is of a thread on another CPU; cpus = 1 pins both to the first, so that
+ * each is a context switch; cpus = 0 leaves them to the scheduler, which may
+ * do either. */
+int hb_wake_rtt(double seconds, int cpus, hb_rtt_result *out);
 /* CDEF-END */
 
 #endif

@@ -32,12 +32,13 @@ drives it:
   until the other writes it; half of one is the native one-way wake-up, the
   least a notification to a blocked target costs beyond its put. Timed as
   the scheduler places the two (it may run both on one CPU: a wake-up is
-  then a context switch) and pinned to two CPUs (each wake-up is of a
-  thread on another CPU, halted if idle).
+  then a context switch), pinned to two CPUs (each wake-up is of a
+  thread on another CPU, halted if idle) and pinned to one.
 - asyncio wake-up round trip: the same, with an asyncio loop in each process
   (``wake_floor``: add_reader -> future -> the awaiting task resumes), no
   aiohixl in it; half of one is the interpreter's floor under a notification
-  that wakes a task awaiting ``notification()``.
+  that wakes a task awaiting ``notification()``. Timed as the scheduler
+  places the two and pinned to one CPU.
 
 Copy rates are GB/s (1e9 bytes/s) over batches of whole copies (at least
 1 ms, at least five of them), the clock read only between batches. The
@@ -133,39 +134,46 @@ def tcp_rtt_us(seconds: float, spin: bool, request: int = RTT_REQUEST) -> dict[s
     return {"median": res.median_us, "p99": res.p99_us, "mean": res.mean_us, "ops": res.ops}
 
 
-def wake_rtt_us(seconds: float, apart: bool = False) -> dict[str, float]:
+_PLACED = {None: "", 1: " on one CPU", 2: " on two CPUs"}
+
+
+def wake_rtt_us(seconds: float, cpus: int | None = None) -> dict[str, float]:
     """An eventfd wake-up round trip between two blocked processes; one way is half of it.
-    ``apart``: the two pinned to two CPUs, so that each wake-up is of a thread on another
-    CPU (else the scheduler may run both on one, where a wake-up is a context switch)."""
+    ``cpus``: 2 pins the two to two CPUs, so that each wake-up is of a thread on another CPU;
+    1 pins both to one, so that each is a context switch; None leaves them to the scheduler,
+    which may do either."""
     m = _native()
     res = m.ffi.new("hb_rtt_result *")
-    if m.lib.hb_wake_rtt(seconds, int(apart), res) != 0:
-        raise OSError(res.err, _error(res, m.ffi, "wake-up round trip" + (" on two CPUs" if apart else "")))
+    if m.lib.hb_wake_rtt(seconds, cpus or 0, res) != 0:
+        raise OSError(res.err, _error(res, m.ffi, "wake-up round trip" + _PLACED[cpus]))
     return {"median": res.median_us, "p99": res.p99_us, "mean": res.mean_us, "ops": res.ops}
 
 
-def asyncio_wake_rtt_us(seconds: float) -> dict[str, float]:
+def asyncio_wake_rtt_us(seconds: float, one_cpu: bool = False) -> dict[str, float]:
     """The same round trip through asyncio in each process (``wake_floor``: add_reader ->
     future -> the awaiting task resumes), in a fresh interpreter that imports nothing of
-    aiohixl. One way is half: the interpreter's floor under a notification."""
+    aiohixl. One way is half: the interpreter's floor under a notification. ``one_cpu``: both
+    processes pinned to the first CPU this one may run on."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wake_floor.py")
+    cpu = [str(min(os.sched_getaffinity(0)))] if one_cpu else []
     out = subprocess.run(
-        [sys.executable, script, str(seconds)], capture_output=True, text=True, timeout=60 + 4 * seconds
+        [sys.executable, script, str(seconds), *cpu], capture_output=True, text=True, timeout=60 + 4 * seconds
     )
     if out.returncode != 0:
         raise OSError(f"asyncio wake-up round trip: {out.stderr.strip().splitlines()[-1:]}")
     return json.loads(out.stdout)
 
 
-def one_way_asyncio_wake_us(b: dict[str, Any]) -> float | None:
-    """Half the median asyncio wake-up round trip: the interpreter's floor under a notification."""
-    rtt = b.get("asyncio_wake_rtt_us")
+def one_way_asyncio_wake_us(b: dict[str, Any], key: str = "asyncio_wake_rtt_us") -> float | None:
+    """Half the median asyncio wake-up round trip: the interpreter's floor under a notification
+    (``asyncio_wake_rtt_one_cpu_us``: the same with the two processes on one CPU)."""
+    rtt = b.get(key)
     return rtt["median"] / 2 if rtt else None
 
 
 def one_way_wake_us(b: dict[str, Any], key: str = "wake_rtt_us") -> float | None:
-    """Half the median wake-up round trip: the notification rows' limit (``wake_rtt_apart_us``:
-    the same with the two processes on two CPUs)."""
+    """Half the median wake-up round trip: the notification rows' limit (``wake_rtt_apart_us``,
+    ``wake_rtt_one_cpu_us``: the same with the two processes on two CPUs, on one)."""
     rtt = b.get(key)
     return rtt["median"] / 2 if rtt else None
 
@@ -292,12 +300,25 @@ def measure(
     out["tcp_rtt_spin_us"] = attempt("tcp round trip (polling)", lambda: tcp_rtt_us(rtt_seconds, spin=True))
     step("tcp round trip")
     out["wake_rtt_us"] = attempt("wake-up round trip", lambda: wake_rtt_us(rtt_seconds))
-    out["wake_rtt_apart_us"] = attempt("wake-up round trip on two CPUs", lambda: wake_rtt_us(rtt_seconds, apart=True))
+    out["wake_rtt_apart_us"] = attempt("wake-up round trip on two CPUs", lambda: wake_rtt_us(rtt_seconds, cpus=2))
+    out["wake_rtt_one_cpu_us"] = attempt("wake-up round trip on one CPU", lambda: wake_rtt_us(rtt_seconds, cpus=1))
     out["asyncio_wake_rtt_us"] = attempt("asyncio wake-up round trip", lambda: asyncio_wake_rtt_us(rtt_seconds))
+    out["asyncio_wake_rtt_one_cpu_us"] = attempt(
+        "asyncio wake-up round trip on one CPU", lambda: asyncio_wake_rtt_us(rtt_seconds, one_cpu=True)
+    )
     step("wake-up round trip")
     return out
 
 
+RTT_KEYS = (
+    "tcp_rtt_us",
+    "tcp_rtt_spin_us",
+    "wake_rtt_us",
+    "wake_rtt_apart_us",
+    "wake_rtt_one_cpu_us",
+    "asyncio_wake_rtt_us",
+    "asyncio_wake_rtt_one_cpu_us",
+)
 COPY_KEYS = (
     "memcpy_gbps",
     "memcpy_threaded_gbps",
@@ -326,7 +347,7 @@ def combine(passes: list[dict[str, Any]]) -> dict[str, Any]:
         for how in ("blocking", "polling")
     }
     out["tcp_stream_gbps"] = max((p["tcp_stream_gbps"] for p in passes if p["tcp_stream_gbps"]), default=None)
-    for key in ("tcp_rtt_us", "tcp_rtt_spin_us", "wake_rtt_us", "wake_rtt_apart_us", "asyncio_wake_rtt_us"):
+    for key in RTT_KEYS:
         out[key] = min((p[key] for p in passes if p.get(key)), key=lambda v: v["median"], default=None)
     out["errors"] = {k: v for p in passes for k, v in p["errors"].items()}
     out["passes"] = passes

@@ -451,7 +451,7 @@ async def notify_beside(
         except OSError as exc:  # said, as a baseline that failed is: the rest of the run goes on
             return {"error": str(exc)}
         try:
-            apart = min(apart, baselines.wake_rtt_us(seconds, apart=True)["median"] / 2)
+            apart = min(apart, baselines.wake_rtt_us(seconds, cpus=2)["median"] / 2)
         except OSError:  # one CPU: the line says so
             pass
         put = min(put, (await latency(peer, "put", remote, local, size, ops))["median_us"])

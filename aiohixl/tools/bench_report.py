@@ -161,12 +161,14 @@ def annotate(r: Results) -> int:
             lat["limit"] = {"baseline": rtt[0], "us": rtt[1], "time_ratio": time_ratio, "above_limit": above}
         wake, floor = baselines.one_way_wake_us(b), baselines.one_way_asyncio_wake_us(b)
         apart = baselines.one_way_wake_us(b, "wake_rtt_apart_us")
+        one = baselines.one_way_wake_us(b, "wake_rtt_one_cpu_us")
         for row in t.get("notify", {}).values():
             # put + k x each one-way wake-up: what the message adds to its put, in wake-ups.
             beyond = row["median_us"] - row["put_median_us"]
             row["beyond_put_us"] = beyond
             row["beyond_over_wake"] = beyond / wake if wake else None
             row["beyond_over_wake_apart"] = beyond / apart if apart else None
+            row["beyond_over_wake_one_cpu"] = beyond / one if one else None
             row["beyond_over_asyncio_wake"] = beyond / floor if floor else None
     return flagged
 
@@ -238,9 +240,19 @@ def render_baselines(b: dict[str, Any]) -> list[str]:
         "  the same, the 2 pinned to 2 CPUs:".ljust(52)
         + (f"{v['median']:7.1f} us median {v['p99']:8.1f} us p99 (one way: half)" if v else "not measured")
     )
+    v = b.get("wake_rtt_one_cpu_us")
+    lines.append(
+        "  the same, the 2 pinned to 1 CPU:".ljust(52)
+        + (f"{v['median']:7.1f} us median {v['p99']:8.1f} us p99 (one way: half)" if v else "not measured")
+    )
     v = b.get("asyncio_wake_rtt_us")
     lines.append(
         "  the same through asyncio (add_reader -> future -> task):".ljust(52)
+        + (f"{v['median']:7.1f} us median {v['p99']:8.1f} us p99 (one way: half)" if v else "not measured")
+    )
+    v = b.get("asyncio_wake_rtt_one_cpu_us")
+    lines.append(
+        "  the same through asyncio, the 2 pinned to 1 CPU:".ljust(52)
         + (f"{v['median']:7.1f} us median {v['p99']:8.1f} us p99 (one way: half)" if v else "not measured")
     )
     for key, why in b.get("errors", {}).items():
@@ -485,6 +497,8 @@ def _notify(t: dict[str, Any], b: dict[str, Any]) -> list[str]:
     wake = baselines.one_way_wake_us(b)
     apart = baselines.one_way_wake_us(b, "wake_rtt_apart_us")
     floor = baselines.one_way_asyncio_wake_us(b)
+    one = baselines.one_way_wake_us(b, "wake_rtt_one_cpu_us")
+    floor_one = baselines.one_way_asyncio_wake_us(b, "asyncio_wake_rtt_one_cpu_us")
     for size, v in t.get("notify", {}).items():
         beyond = v["median_us"] - v["put_median_us"]
         limit = f"; beyond it {beyond / wake:.1f}x the native one-way wake-up {wake:.1f} us" if wake else ""
@@ -496,6 +510,13 @@ def _notify(t: dict[str, Any], b: dict[str, Any]) -> list[str]:
             f"  put(notify=) {size:>7} -> notification() at the target: median {v['median_us']:8.1f} us"
             f"  (awaited put alone {v['put_median_us']:.1f} us{limit})"
         )
+        if one and floor_one:
+            # Where the scheduler runs both ends on one CPU a wake-up is a context switch, and
+            # the interpreter's own share is all that is left to compare with it.
+            lines.append(
+                f"    on one CPU: the native one-way wake-up {one:.1f} us, the asyncio one {floor_one:.1f} us"
+                f" ({floor_one / one:.1f}x it, with no aiohixl); beyond the put {beyond / one:.1f}x the native one"
+            )
         side = v.get("beside")
         if side and "error" in side:
             lines.append(f"    timed beside the asyncio wake-up: not measured ({side['error']})")

@@ -8,8 +8,9 @@ anything of its own: the native one-way wake-up (``baselines.wake_rtt_us``,
 two threads blocked in ``read``) plus the loop's selector turn, its callback and
 the task's resumption on each side.
 
-Run as a script (``python wake_floor.py SECONDS``) it prints its figures as
-JSON: only the standard library is imported, nothing of aiohixl.
+Run as a script (``python wake_floor.py SECONDS [CPU]``: with a CPU, both
+processes are pinned to it) it prints its figures as JSON: only the standard
+library is imported, nothing of aiohixl.
 """
 
 from __future__ import annotations
@@ -80,9 +81,12 @@ async def _ping(ping: int, pong: int, seconds: float) -> list[float]:
     return samples
 
 
-def measure(seconds: float) -> dict[str, float]:
+def measure(seconds: float, cpu: int | None = None) -> dict[str, float]:
     """The round trip in microseconds (median, p99, mean, ops; one way is half), and the
-    responder's loop-thread CPU per wait, its wake-up included (``responder_cpu_us``)."""
+    responder's loop-thread CPU per wait, its wake-up included (``responder_cpu_us``).
+    ``cpu``: this process, and so the responder it forks, pinned to that CPU."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     ping = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
     pong = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
     rd, wr = os.pipe()
@@ -98,7 +102,7 @@ def measure(seconds: float) -> dict[str, float]:
     os.close(wr)
     try:
         samples = sorted(asyncio.run(_ping(ping, pong, seconds)))
-        cpu = os.read(rd, 64)
+        responder_cpu = os.read(rd, 64)
     finally:
         _, status = os.waitpid(pid, 0)
         os.close(ping)
@@ -107,7 +111,7 @@ def measure(seconds: float) -> dict[str, float]:
     if os.waitstatus_to_exitcode(status) != 0:
         raise OSError("the asyncio wake-up responder failed")
     return {
-        "responder_cpu_us": float(cpu) * 1e6,
+        "responder_cpu_us": float(responder_cpu) * 1e6,
         "median": statistics.median(samples) * 1e6,
         "p99": samples[int(len(samples) * 0.99)] * 1e6,
         "mean": statistics.fmean(samples) * 1e6,
@@ -116,4 +120,5 @@ def measure(seconds: float) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(float(sys.argv[1]) if len(sys.argv) > 1 else 1.0)))
+    args = sys.argv[1:]
+    print(json.dumps(measure(float(args[0]) if args else 1.0, int(args[1]) if len(args) > 1 else None)))
