@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -455,6 +456,20 @@ def test_bad_arguments_are_refused_before_anything_starts():
             asyncio.run(go(**{**tcp, **kw}))
     with pytest.raises(aiohixl.InvalidArgument, match="store must be a URL string, not int"):
         asyncio.run(go(rank=0, store=123, token=TOKEN))
+
+
+async def test_a_failed_rank_0_init_releases_the_store_it_started():
+    """Agent() refusing an option raises right after rank 0 started the tcp store, before the
+    store's task first ran: that store was left serving, and rank 1 joined a job with no rank 0."""
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    with pytest.raises(aiohixl.InvalidArgument, match="max_inflight"):
+        await aiohixl.init(0, "prefill", url, token=TOKEN, max_inflight=0)
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == f"aiohixl-store-127.0.0.1:{port}"]
+    with socket.socket() as s:  # nothing listens there: the port binds again
+        s.bind(("127.0.0.1", port))
+    with pytest.raises(aiohixl.ConnectTimeout, match=url):
+        await aiohixl.init(1, "decode", url, token=TOKEN, timeout=1.0)
 
 
 def test_the_two_process_example_runs_as_written():

@@ -138,6 +138,8 @@ class StoreServer:
         self._scope: anyio.CancelScope | None = None
         self._stopped = anyio.Event()
         self._backend: Any = None
+        self._serving = False  # a task runs (or is about to run) _serve, which sets _stopped at its end
+        self._closing = False
 
     async def start(self) -> None:
         """Bind (OSError if the port is taken) and serve in the background until aclose()."""
@@ -146,10 +148,12 @@ class StoreServer:
         await self._bind()
         self._backend = current_backend()
         self._backend.spawn(self._serve, f"aiohixl-store-{self.address}")
+        self._serving = True
 
     async def serve_forever(self) -> None:
         """Bind and serve in this task (``python -m aiohixl store``)."""
         await self._bind()
+        self._serving = True
         await self._serve()
 
     async def _bind(self) -> None:
@@ -160,7 +164,10 @@ class StoreServer:
     async def _serve(self) -> None:
         try:
             with anyio.CancelScope() as self._scope:
-                await self._listener.serve(self._handle)
+                # aclose() may come before this task first runs (init failing right after
+                # start()): there is no scope to cancel then, and it must not serve after all
+                if not self._closing:
+                    await self._listener.serve(self._handle)
         except Exception:
             c.log.exception("aiohixl store %s stopped", self.address)
         finally:
@@ -169,9 +176,15 @@ class StoreServer:
             self._stopped.set()
 
     async def aclose(self) -> None:
+        """Stop serving and close the socket, at any point of the server's life: once this
+        returns, nothing listens on its port and its task has ended."""
+        self._closing = True
         if self._scope is not None:
             self._scope.cancel()
+        if self._serving:
             await self._stopped.wait()
+        elif self._listener is not None:  # bound, never served
+            await self._listener.aclose()
 
     async def _handle(self, stream: Any) -> None:
         keepalive(stream)
