@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from asyncio import _get_running_loop
 from collections.abc import Awaitable, Coroutine, Iterable
 from functools import partial
@@ -37,6 +38,17 @@ LocalRef = Union[Region, RegionSlice]
 RemoteRef = Union[RemoteRegion, RemoteSlice]
 
 
+class _Message:
+    """A ``put(notify=)`` message to send once its data has landed (``Peer._deliver``)."""
+
+    __slots__ = ("data", "what", "waiter", "ready", "error")
+
+    def __init__(self, data: bytes, what: str, waiter: Any) -> None:
+        self.data, self.what, self.waiter = data, what, waiter
+        self.ready = False  # its data's ops have ended
+        self.error: HixlError | None = None  # why it is not sent
+
+
 class Peer(metaclass=NoPublicConstructor):
     """A connection to an agent (possibly this one) that ops go through.
 
@@ -62,7 +74,10 @@ class Peer(metaclass=NoPublicConstructor):
         self._withdrawn = core.withdrawn
         self._routes = core.routes
         self._one_route = core.one_route
-        self._notes_waiting = 0  # put(notify=) tasks whose message is not sent yet (_as_op)
+        # Messages waiting for their data, in call order (_deliver); while there are any, a
+        # later one queues behind them, whichever way it would go.
+        self._messages: collections.deque[_Message] = collections.deque()
+        self._sending = False  # a task is sending the ready head of _messages
 
     @property
     def broken(self) -> HixlError | None:
@@ -198,10 +213,11 @@ class Peer(metaclass=NoPublicConstructor):
                 link = route[0]
             flags, behind = 0, False
             if notify is not None:
-                # Not around the data's path, nor ahead of a message still waiting for its put.
-                if link is not core.notes or self._notes_waiting:
+                if link is not core.notes:  # not around the data's path
                     return None
-                if link.ordered_notes:  # behind the data (a ring of one failed the room check above)
+                # Behind the data (a ring of one failed the room check above), unless messages
+                # still wait for their data: then after those (_then_note).
+                if link.ordered_notes and not self._messages:
                     if not core.ordered:
                         return None
                     flags, behind = engine.note_next, True
@@ -220,38 +236,76 @@ class Peer(metaclass=NoPublicConstructor):
 
     def _then_note(self, waiter: Any, notify: bytes, what: str, behind: bool) -> Any:
         """The awaitable of a put ``_post_now`` posted with a message: the message posted
-        ``behind`` its data on their connection; else rung now if the copy has ended (shm),
-        else sent once it has, by a task of its own."""
+        ``behind`` its data on their connection; else rung now if the copy has ended (shm)
+        and no message waits ahead of it, else sent once both hold (``_deliver``)."""
         engine = self._engine
+        waiters = [] if waiter is None else [waiter]
         if behind:
-            waiters = [] if waiter is None else [waiter]
             refused, left = self._note_behind(waiters, notify, what) if waiters else (None, notify)
-            return self._as_op(self._finish(waiters, refused, left, None, what), left is not None)
-        if waiter is None:
+            if left is not None:  # the receiver had no room
+                return _Op(self._deliver(waiters, refused, left, what))
+            return self._as_op(self._finish(waiters, refused, None, None, what))
+        if waiter is None and not self._messages:
             core = self._core
             note = core.notes.note(engine, notify, 0, what, core)
             if note is None:
                 return _DoneOp()
             if note is not engine.BUSY:
-                return self._as_op(self._finish([note], None, None, None, what), False)
-        # The copy is still going, or the receiver has no room yet (loopback).
-        return self._as_op(self._finish([] if waiter is None else [waiter], None, notify, None, what), True)
+                return self._as_op(self._finish([note], None, None, None, what))
+        # The copy is still going, or messages wait ahead of it, or the receiver has no room
+        # yet (loopback).
+        return _Op(self._deliver(waiters, None, notify, what))
 
-    def _as_op(self, steps: Coroutine[Any, Any, None], holds: bool) -> Any:
-        """``steps`` as an op's awaitable: a Task, which runs to its end (the message sent)
-        whether or not the op is awaited. ``holds``: a message is still to send; until it
-        is, this peer's later ``put(notify=)`` take the coroutine path, so that they cannot
-        overtake it (awaited one after the other, messages arrive in that order)."""
-        if holds:
-            self._notes_waiting += 1
-            steps = self._then_release(steps)
+    def _as_op(self, steps: Coroutine[Any, Any, None]) -> Any:
+        """``steps`` as an op's awaitable: a Task, which runs to its end whether or not the
+        op is awaited."""
         return _Op(self._engine.loop.create_task(steps))
 
-    async def _then_release(self, steps: Coroutine[Any, Any, None]) -> None:
+    def _deliver(self, waiters: list[Any], refused: HixlError | None, data: bytes, what: str) -> Any:
+        """Send ``data`` once the ops of ``waiters`` have ended, unless one failed (or
+        ``refused`` is set), and after this peer's messages called for before it: in call
+        order, whoever awaits what. A task of its own sends it, so that neither a timeout
+        nor a cancellation of the caller loses it (the data lands all the same, as a tcp
+        message posted behind its data is delivered). Returns the waiter of its outcome."""
+        backend = self._engine.attach(what)
+        message = _Message(data, what, backend.new_waiter())
+        self._messages.append(message)
+
+        async def steps() -> None:
+            try:
+                await self._finish(waiters, refused, None, None, what)
+            except HixlError as exc:
+                message.error = exc
+            except BaseException:  # the loop is ending: nothing will be sent
+                self._messages.remove(message)
+                backend.resolve(message.waiter, ClosedError(f"{what}: the event loop ended first"))
+                raise
+            message.ready = True
+            await self._send_ready()
+
+        backend.spawn(steps, what)
+        return message.waiter
+
+    async def _send_ready(self) -> None:
+        """Send the messages at the head of ``_messages`` whose data has ended, in order:
+        one task at a time does it."""
+        if self._sending:
+            return  # that task sends this one too once those ahead of it are sent
+        self._sending = True
+        backend = self._engine.attach()
+        messages = self._messages
         try:
-            await steps
+            while messages and messages[0].ready:
+                message = messages[0]
+                if message.error is None:
+                    try:
+                        await self._send_note(message.data, 0, None, message.what)
+                    except HixlError as exc:
+                        message.error = exc
+                messages.popleft()
+                backend.resolve(message.waiter, message.error)
         finally:
-            self._notes_waiting -= 1
+            self._sending = False
 
     async def put_many(
         self,
@@ -277,7 +331,10 @@ class Peer(metaclass=NoPublicConstructor):
         self._check_open(what)
         if not self._core.ordered:
             await self._fence()  # earlier ops travel other ways: wait until they landed
-        await self._send_note(data, 0, timeout, what)  # room for it in the ring first
+        if self._messages:  # behind those waiting for their data
+            await self._finish([], None, data, timeout, what)
+        else:
+            await self._send_note(data, 0, timeout, what)  # room for it in the ring first
 
     async def get_many(self, pairs: Iterable[tuple[LocalRef, RemoteRef]], *, timeout: float | None = None) -> None:
         """Many gets, ``(local, remote)`` pairs, in one native submission and one awaitable."""
@@ -307,13 +364,14 @@ class Peer(metaclass=NoPublicConstructor):
         checked = self._checked(opcode, pairs, what)
         if not checked:
             if notify is not None:  # nothing to wait for: the message alone
-                await self._send_note(notify, 0, timeout, what)
+                await self._finish([], None, notify, timeout, what)
             return
         if imm is not None and (isinstance(imm, bool) or not isinstance(imm, int) or not 0 <= imm <= 0xFFFFFFFF):
             raise InvalidArgument(f"{what}: imm={imm!r} is not a 32-bit unsigned value")
         if self._one_route is not None and imm is None:
-            # The message can follow this op's data on its link (unless the ring holds one op).
-            behind = core.ordered and engine.capacity > 1
+            # The message can follow this op's data on its link (unless the ring holds one op,
+            # or earlier messages still wait for their data: it goes after them).
+            behind = core.ordered and engine.capacity > 1 and not self._messages
             # Then the op is held for the message (tcp), to go out and be answered with it.
             flags = engine.note_next if notify is not None and behind and len(checked) == 1 else 0
             waiters = self._one_route.post(engine, opcode | flags, checked, what, core, None)
@@ -323,7 +381,12 @@ class Peer(metaclass=NoPublicConstructor):
             for link, path in groups:
                 if imm is not None and not link.carries_imm:
                     raise InvalidArgument(f"{what}: imm= needs the verbs transport; this op goes over {path}")
-            behind = core.notes.ordered_notes and engine.capacity > 1 and all(link is core.notes for link, _ in groups)
+            behind = (
+                core.notes.ordered_notes
+                and engine.capacity > 1
+                and not self._messages
+                and all(link is core.notes for link, _ in groups)
+            )
             # An op per group, and the message one more if it goes behind them: the check above
             # counted one group (and _group may have awaited). Room for all of them at once
             # where the ring holds that many, so that nothing is posted before a wait that may
@@ -361,8 +424,12 @@ class Peer(metaclass=NoPublicConstructor):
     async def _finish(
         self, waiters: list[Any], refused: HixlError | None, notify: bytes | None, timeout: float | None, what: str
     ) -> None:
-        """Wait for the ops posted (``waiters``); raise ``refused``; then send ``notify``."""
+        """Wait for the ops posted (``waiters``); raise ``refused``; ``notify``: the message
+        sent once they have landed (``_deliver``)."""
         core = self._core
+        if notify is not None:
+            await self._engine.wait(self._deliver(waiters, refused, notify, what), timeout, what)
+            return
         if waiters:
             try:
                 await self._engine.wait_all(waiters, timeout, what)
@@ -370,8 +437,6 @@ class Peer(metaclass=NoPublicConstructor):
                 raise core.explain(exc, what) from None
             if refused is not None:
                 raise core.explain(refused, what)
-        if notify is not None:  # the data has landed; now the message
-            await self._send_note(notify, 0, timeout, what)
 
     async def _send_note(self, data: bytes, dep: int, timeout: float | None, what: str) -> None:
         core = self._core

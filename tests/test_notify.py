@@ -117,20 +117,73 @@ async def test_a_put_never_awaited_moves_its_bytes_and_then_its_message(path):
     assert (await check)["in_place"]
 
 
-@pytest.mark.asyncio(loop_scope="module")
-async def test_messages_of_puts_awaited_in_turn_arrive_in_that_order(path):
-    """A message still waiting for its put's copy holds the peer's next put(notify=) back:
-    a later put that ends at once (shm's inline copy) cannot ring ahead of it."""
+async def _messages(path: dict, n: int, timeout: float = 60) -> list[str]:
+    """The next ``n`` messages the target takes, in the order it takes them."""
     if path["target"] is None:
-        pytest.skip("loopback: the target is this agent")
+        return [(await path["agent"].notification(timeout=timeout)).data.decode() for _ in range(n)]
+    return [data for _, data in (await path["target"].cmd(op="collect", n=n, timeout=timeout))["notes"]]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("awaited", ["in turn", "together", "never"])
+async def test_messages_arrive_in_call_order_however_their_puts_are_awaited(path, awaited):
+    """A message still waiting for its put's copy holds the peer's later messages back: a
+    later put that ends at once (shm's and loopback's inline copy) cannot send its message
+    ahead of it, whether the puts are awaited one after the other, together, or not at all."""
     peer, kv, src = path["peer"], path["kv"], path["src"]
     big = SPACE // 4
-    collect = asyncio.create_task(path["target"].cmd(op="collect", n=2))
-    first = peer.put(kv[:big], src[:big], notify=b"first")
-    second = peer.put(kv[big : big + 4096], src[big : big + 4096], notify=b"second")
-    await first
-    await second
-    assert [data for _, data in (await collect)["notes"]] == ["first", "second"]
+    collect = asyncio.create_task(_messages(path, 3))
+    ops = [
+        peer.put(kv[:big], src[:big], notify=b"first"),
+        peer.put(kv[big : big + 4096], src[big : big + 4096], notify=b"second"),
+        peer.put_many([(kv[big + 4096 : big + 8192], src[:4096])], notify=b"third"),
+    ]
+    if awaited == "in turn":
+        for op in ops:
+            await op
+    elif awaited == "together":
+        await asyncio.gather(*ops)
+    else:
+        asyncio.ensure_future(ops[2])  # a coroutine: it goes once a task runs it
+    assert await collect == ["first", "second", "third"]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_message_goes_once_its_data_lands_though_its_caller_timed_out_or_was_cancelled(path):
+    """The data of a put that timed out, or whose awaiting task was cancelled, still lands
+    (docs/api.md): so does its message, after it, on every path, and the messages of the
+    puts after it come after it."""
+    peer, kv, src, src_arr = path["peer"], path["kv"], path["src"], path["src_arr"]
+    n = SPACE // 4
+
+    def message(a: int) -> bytes:
+        return f"kv:0:{n}:{sha(src_arr[a : a + n])}".encode()
+
+    for how in ("timeout", "cancel-posted", "cancel-coroutine"):
+        if path["target"] is not None:
+            check = asyncio.create_task(path["target"].cmd(op="take_note", timeout=60))
+        if how == "timeout":
+            try:
+                await peer.put(kv[:n], src[n : 2 * n], timeout=1e-6, notify=message(n))
+            except aiohixl.TransferTimeout:
+                pass  # the usual end: the op goes on
+            expected = n
+        elif how == "cancel-posted":
+            task = asyncio.ensure_future(peer.put(kv[:n], src[2 * n : 3 * n], notify=message(2 * n)))
+            await asyncio.sleep(0)  # it awaits the op posted at the call
+            task.cancel()
+            expected = 2 * n
+        else:
+            task = asyncio.create_task(peer.put_many([(kv[:n], src[:n])], notify=message(0)))
+            await wait_until(lambda: path["agent"].outstanding > 0 or task.done())  # posted
+            task.cancel()
+            expected = 0
+        if path["target"] is None:
+            note = await path["agent"].notification(timeout=60)
+            assert note.data == message(expected), how
+            assert hashlib.sha256(path["arr"][:n]).hexdigest() == sha(src_arr[expected : expected + n]), how
+        else:
+            assert (await check)["in_place"], how
 
 
 @not_in_vm
