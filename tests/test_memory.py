@@ -415,6 +415,56 @@ async def test_aclose_unmaps_every_allocated_region():
     assert not any(_mapped(f"pool{i}") for i in range(3))
 
 
+_CANCELLED_IN_EXIT = """
+import asyncio, aiohixl
+
+async def worker(state):
+    async with aiohixl.Agent("w") as agent:
+        state["agent"], state["kv"] = agent, agent.allocate(1 << 20, name="kv")
+        state["kv"].memory[:2] = b"kv"
+        await asyncio.Event().wait()
+
+async def main():
+    state = {}
+    task = asyncio.create_task(worker(state))
+    while "kv" not in state:
+        await asyncio.sleep(0)
+    task.cancel()
+    while not state["agent"].closed:  # its exit began closing the agent
+        await asyncio.sleep(0)
+    task.cancel()  # again, as a task group or a timeout may
+    await asyncio.gather(task, return_exceptions=True)
+    agent, kv = state["agent"], state["kv"]
+    print(agent.closed, kv.closed, flush=True)
+    await agent.aclose()
+
+asyncio.run(main())
+"""
+
+
+def test_an_agent_exit_cancelled_twice_still_releases_everything():
+    """A task cancelled again while its `async with Agent()` exit closes the agent: the close
+    runs to its end all the same (the cancellation is raised after it), so the regions are
+    released; cut short, they stayed mapped and the interpreter crashed at exit."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _CANCELLED_IN_EXIT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]
+    assert "Fatal Python error" not in out.stderr and "BufferError" not in out.stderr, out.stderr
+
+
+async def test_a_second_aclose_returns_once_the_first_has_closed_the_agent():
+    agent = aiohixl.Agent("twice")
+    region = agent.allocate(4 << 20, name="twice")
+    first = asyncio.create_task(agent.aclose())
+    await wait_until(lambda: agent.closed)
+    await agent.aclose()
+    assert region.closed and not _mapped("twice")
+    await first
+
+
 async def test_descriptor_roundtrip_and_checks(agent):
     region = agent.allocate(4096, name="kv", access=Access.REMOTE_WRITE)
     desc = region.descriptor()

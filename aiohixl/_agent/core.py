@@ -53,6 +53,7 @@ class AgentCore:
         self.peers: set[PeerCore] = set()
         self.listener: Listener | None = None
         self.closed = False
+        self._closed_waiter: tuple[Any, Any] | None = None  # (backend, waiter) once aclose began
 
     def check_open(self, what: str) -> None:
         if self.closed:
@@ -144,10 +145,24 @@ class AgentCore:
     # ---- lifetime ----
 
     async def aclose(self) -> None:
-        if self.closed:
+        if self._closed_waiter is not None:  # closing or closed: returns once it is closed
+            await self._closed_waiter[0].wait_to_end(self._closed_waiter[1])
+            return
+        if self.closed:  # close_abandoned freed it
             return
         self.engine.check_loop("Agent.aclose")
+        backend = self.engine.backend or current_backend()
+        self._closed_waiter = (backend, backend.new_waiter())
         self.closed = True
+        try:
+            # To its end, even when the caller is cancelled meanwhile (a task group or a
+            # timeout cancelling a task in its `async with Agent()` exit): cut short, the
+            # agent would stay closed with its regions never released.
+            await backend.run_steps_to_end(self._close(backend))
+        finally:
+            backend.resolve(self._closed_waiter[1], None)
+
+    async def _close(self, backend: Any) -> None:
         self.engine.closing()
         self.inbox.close()
         if self.listener is not None:
@@ -161,7 +176,6 @@ class AgentCore:
         peers = list(self.peers)
         self.peers.clear()
         # Unmapping GiBs takes a second: off the loop (a shm peer's free unmaps its mappings).
-        backend = self.engine.backend or current_backend()
         try:
             await backend.run_to_end(_free, peers)
         finally:

@@ -12,7 +12,7 @@ import asyncio
 import collections.abc
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import sniffio
@@ -54,6 +54,10 @@ class Backend:
     async def wait_to_end(self, waiter: Any) -> None:
         """``wait(waiter)``, to its end even through a cancellation, which is raised once it
         has resolved: the native side is done with what the op touches when this returns."""
+
+    async def run_steps_to_end(self, steps: Coroutine[Any, Any, None]) -> None:
+        """Await ``steps`` to its end even through a cancellation, which is raised once it has
+        ended: a close that a cancellation cut short would leave memory half released."""
 
     def is_current(self) -> bool:
         """Whether the caller runs in the event loop (trio run) this backend was made in."""
@@ -323,6 +327,16 @@ class AsyncioBackend(Backend):
         if cancelled is not None:
             raise cancelled
 
+    async def run_steps_to_end(self, steps: Coroutine[Any, Any, None]) -> None:
+        task = self.loop.create_task(steps)
+        try:
+            await self.wait_to_end(task)
+        except BaseException:
+            if not task.cancelled():
+                task.exception()  # retrieved: the cancellation is what the caller gets
+            raise
+        task.result()
+
     def spawn(self, fn: Callable[[], Any], name: str) -> None:
         task = self.loop.create_task(fn(), name=name)
         self._tasks.add(task)  # the loop keeps only weak references
@@ -432,6 +446,11 @@ class TrioBackend(Backend):
     async def wait_to_end(self, waiter: _TrioWaiter) -> None:
         with self.trio.CancelScope(shield=True):
             await self.wait(waiter)
+        await self.trio.lowlevel.checkpoint_if_cancelled()
+
+    async def run_steps_to_end(self, steps: Coroutine[Any, Any, None]) -> None:
+        with self.trio.CancelScope(shield=True):
+            await steps
         await self.trio.lowlevel.checkpoint_if_cancelled()
 
     def spawn(self, fn: Callable[[], Any], name: str) -> None:
