@@ -100,6 +100,18 @@ def _slice_by_rule(span: Any, key: Any) -> Any:
 set_fallback(_slice_by_rule)
 
 
+def check_slice(what: str, region: Any, kind: Any, offset: Any, nbytes: Any) -> None:
+    """The arguments of a slice made by hand (``RegionSlice(region, offset, nbytes)``), as
+    ``region[a:b]`` checks its own: else a put would fail on them deep inside."""
+    if not isinstance(region, kind):
+        raise InvalidArgument(f"{what}: region is a {kind.__name__}, not {type(region).__name__}")
+    for name, value in (("offset", offset), ("nbytes", nbytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidArgument(f"{what}: {name} is an int >= 0, not {value!r}")
+    if offset + nbytes > region.nbytes:
+        raise OutOfBounds(f"{what}: [{offset}:{offset + nbytes}] is outside [0, {region.nbytes}) of {region.label()}")
+
+
 class RegionOwner(Protocol):
     """The registry a region belongs to (the agent's)."""
 
@@ -197,8 +209,11 @@ class RegionSlice(Span):
     if TYPE_CHECKING:
         region: Region
 
-        def __init__(self, region: Region, offset: int, nbytes: int) -> None: ...
         def __getitem__(self, key: slice) -> RegionSlice: ...
+
+    def __init__(self, region: Region, offset: int, nbytes: int) -> None:
+        check_slice("RegionSlice", region, Region, offset, nbytes)  # region[a:b] skips this
+        super().__init__(region, offset, nbytes)
 
     @property
     def memory(self) -> memoryview:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from ._span import Span
 from .descriptor import RegionInfo, encode_info
-from .memory import Access, access_names
+from .memory import Access, access_names, check_slice
 
 __all__ = ["RemoteRegion", "RemoteSlice"]
 
@@ -59,8 +59,11 @@ class RemoteSlice(Span):
     if TYPE_CHECKING:
         region: RemoteRegion
 
-        def __init__(self, region: RemoteRegion, offset: int, nbytes: int) -> None: ...
         def __getitem__(self, key: slice) -> RemoteSlice: ...
+
+    def __init__(self, region: RemoteRegion, offset: int, nbytes: int) -> None:
+        check_slice("RemoteSlice", region, RemoteRegion, offset, nbytes)  # region[a:b] skips this
+        super().__init__(region, offset, nbytes)
 
     def __repr__(self) -> str:
         return f"<RemoteSlice {self.region.label()} [{self.offset}:{self.offset + self.nbytes}]>"

@@ -251,6 +251,30 @@ async def test_slices_are_read_only_and_odd_keys_get_clear_errors(agent):
         RegionSlice(region, -1, 4)
 
 
+async def test_a_slice_made_by_hand_is_checked_as_slicing_checks_one(agent):
+    """RegionSlice and RemoteSlice are exported (for annotations): one made by hand with the
+    wrong region, bounds or types is refused with the library's errors, not met later as an
+    AttributeError inside a put."""
+    from aiohixl import RegionSlice, RemoteSlice
+
+    region = agent.allocate(4096, name="hand")
+    remote = await agent.loopback().region("hand")
+    for cls, args, error in [
+        (RegionSlice, (remote, 0, 1), aiohixl.InvalidArgument),
+        (RemoteSlice, (region, 0, 1), aiohixl.InvalidArgument),
+        (RegionSlice, (region, -1, 4), aiohixl.InvalidArgument),
+        (RegionSlice, (region, 0, 1.5), aiohixl.InvalidArgument),
+        (RemoteSlice, (remote, True, 1), aiohixl.InvalidArgument),
+        (RegionSlice, (region, 4000, 100), aiohixl.OutOfBounds),
+        (RemoteSlice, (remote, 0, 4097), aiohixl.OutOfBounds),
+    ]:
+        with pytest.raises(error, match=cls.__name__):
+            cls(*args)
+    region.memory[8:16] = b"by hand!"
+    await agent.loopback().put(RemoteSlice(remote, 100, 8), RegionSlice(region, 8, 8))
+    assert bytes(region.memory[100:108]) == b"by hand!"
+
+
 async def test_a_step_of_the_wrong_type_is_named_as_given(agent):
     region = agent.allocate(16)
     with pytest.raises(aiohixl.UnsupportedMemory, match="a step of '1' is not contiguous"):

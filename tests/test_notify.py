@@ -175,7 +175,7 @@ async def test_a_message_goes_once_its_data_lands_though_its_caller_timed_out_or
             expected = 2 * n
         else:
             task = asyncio.create_task(peer.put_many([(kv[:n], src[:n])], notify=message(0)))
-            await wait_until(lambda: path["agent"].outstanding > 0 or task.done())  # posted
+            await wait_until(lambda t=task: path["agent"].outstanding > 0 or t.done())  # posted
             task.cancel()
             expected = 0
         if path["target"] is None:
