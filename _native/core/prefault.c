@@ -11,7 +11,9 @@
  * ones to several times it, from run to run, where small pages ran steadily
  * (CHANGELOG.md has the figures). So each thread populates its
  * share in 16 MiB chunks and keeps huge pages only while a chunk faults in at
- * least as fast as small pages do (timed once per process, on scratch memory). */
+ * least as fast as small pages do (timed once per process, on scratch memory).
+ * A chunk is populated 2 MiB a call, so that the mmap lock each call holds
+ * keeps other threads' mmap and munmap waiting 2 MiB's time at most, not 16. */
 #include "internal.h"
 #include <errno.h>
 #include <stdlib.h>
@@ -27,8 +29,9 @@
 #endif
 
 #define PIECE_MIN (256ull << 20) /* a thread's share is at least this much */
-#define CHUNK (16ull << 20)      /* populated and timed in one call */
+#define CHUNK (16ull << 20)      /* timed as one */
 #define HUGE (2ull << 20)
+#define STEP HUGE /* populated in one call */
 #define MAX_THREADS 8
 
 typedef struct {
@@ -58,12 +61,18 @@ static double now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Seconds per byte of one populate call; < 0: the kernel refused it. */
-static double timed_populate(uint8_t *addr, uint64_t len, int advice)
+/* Seconds per byte of a populate of [p, p + len), one STEP a call: each call holds
+ * the process's mmap lock for reading, and a thread that maps or unmaps meanwhile
+ * (an event loop's allocator growing its heap) waits for the call to end. < 0: the
+ * kernel refused it. */
+static double populate_steps(uint8_t *p, uint64_t len, int advice)
 {
     double t = now();
-    if (madvise(addr, len, advice) != 0)
-        return -1;
+    for (uint64_t off = 0; off < len; off += STEP) {
+        uint64_t n = len - off < STEP ? len - off : STEP;
+        if (madvise(p + off, n, advice) != 0)
+            return -1;
+    }
     return (now() - t) / (double)len;
 }
 
@@ -79,7 +88,7 @@ static void measure_small_cost(void)
     if (p == MAP_FAILED)
         return;
     madvise(p, len, MADV_NOHUGEPAGE);
-    double cost = timed_populate(p, len, MADV_POPULATE_WRITE);
+    double cost = populate_steps(p, len, MADV_POPULATE_WRITE);
     munmap(p, len);
     small_cost = cost > 0 ? cost : 0;
 }
@@ -98,7 +107,7 @@ static void *populate(void *arg)
     while (p < end) {
         uint8_t *next = (uint8_t *)(((uintptr_t)p + CHUNK) & ~(uintptr_t)(HUGE - 1));
         uint64_t n = (uint64_t)((next < end ? next : end) - p);
-        double cost = timed_populate(p, n, advice);
+        double cost = populate_steps(p, n, advice);
         if (cost < 0) {
             w->rc = -1;
             touch(p, (uint64_t)(end - p), w->write); /* EINVAL: a kernel before 5.14 */
