@@ -74,11 +74,12 @@ class Agent:
     a sleeping thread pays for waking it (docs/tcp.md, "The target's poll").
     Sparser requests, and an idle agent, cost nothing.
     ``notify_poll_us`` (50 by default, 0: never): after notifications arrive
-    by shm's doorbell, the event loop keeps turning that long (its selector
-    does not block; other tasks run as usual) so that the next is seen
-    without waking it, as long as they come within twice that of each other
-    (docs/api.md, "Notifications"). A lone notification, and an idle agent,
-    cost nothing.
+    by shm's doorbell, the event loop keeps turning about that long (its
+    selector does not block; other tasks run as usual) so that the next is
+    seen without waking it. The window doubles, up to 4x, while messages
+    find the loop blocked soon after it stopped, and is set back after a gap
+    of more than 4x (docs/api.md, "Notifications"). A lone notification, and
+    an idle agent, cost nothing.
     ``tcp_send`` says how a tcp put's payload of 64 KiB or more leaves:
     "copy" (the default: sendmsg copies it into the socket) or "splice" (the
     kernel takes its pages, so the sender copies nothing). Which is faster

@@ -38,6 +38,7 @@ _notes_ready = lib.hx_agent_notes_ready
 _UNKNOWN = (None, None)  # a sender whose session is no longer known
 _get_ident = threading.get_ident  # asyncio.get_running_loop() makes a getpid() system call (3.11)
 _now_ns = time.monotonic_ns
+_WIDEST = 4  # the loop's window grows up to this many times Agent(notify_poll_us=...)
 
 
 class Notification:
@@ -99,6 +100,7 @@ class Inbox:
         self.engine = engine
         self.capacity = capacity
         self._poll_ns = poll_us * 1000  # Agent(notify_poll_us=...)
+        self._window_ns = self._poll_ns // 2  # how long the loop turns after a message (_poll)
         self._arrived_at = 0  # when doorbell messages were last taken from the native queue
         self._quiet = False  # the loop turns and looks itself: doorbells are not rung
         # The sender's (name, agent id): by session key, or ``own`` for source 0 (this agent).
@@ -154,24 +156,37 @@ class Inbox:
             self._serve()
 
     def _poll(self) -> None:
-        """Messages arrived by shm's doorbell: keep the loop turning ``poll_ns`` for the next
-        while they come within 2 x that of each other. The next is then seen on the loop's
-        next turn rather than by waking a blocked loop, which costs its thread 20-40 us here
-        and the sender's wake of it 15 more (docs/api.md, "Notifications"). Not for what a
-        native thread received (tcp, verbs): that thread is woken first whatever the loop
-        does, and a turning loop takes the CPU it needs (tcp: 56-62 us against 49-65). Nor
-        for sparser streams: the window would seldom catch the next."""
+        """Messages arrived by shm's doorbell: keep the loop turning for the next while they
+        come that often. The next is then seen on the loop's next turn rather than by waking
+        a blocked loop, which costs its thread 20-40 us here and the sender's wake of it 15
+        more (docs/api.md, "Notifications").
+
+        How long it turns adapts as a halt-polling vCPU's window does (Linux's KVM): a message
+        taken while the loop turned keeps the window; one that found it blocked, within
+        ``_WIDEST`` windows of the last, doubles it, from ``poll_ns`` up to ``_WIDEST`` times
+        that, and turns; a longer gap sets it back and turns nothing. The gap a blocked loop
+        sees includes its own wake-up, so a fixed bound on it made a ping-pong whose answer
+        takes 40-50 us (two processes on two CPUs) find the loop blocked every time.
+
+        Not for what a native thread received (tcp, verbs): that thread is woken first
+        whatever the loop does, and a turning loop takes the CPU it needs (tcp: 56-62 us
+        against 49-65). Nor for sparser streams: the window would seldom catch the next."""
         now = _now_ns()
-        if now - self._arrived_at <= 2 * self._poll_ns and not self.closed:
-            backend, native = self.engine.backend, self.engine.native
-            if backend is not None and native is not None:
-                if not self._quiet:
-                    # The loop looks each turn (_turned): the senders need not ring, which
-                    # saves each put(notify=) a system call and the loop a read.
-                    self._quiet = True
-                    lib.hx_agent_notes_quiet(native, 1)
-                backend.keep_turning(now + self._poll_ns, self._turned)
-        self._arrived_at = now
+        gap, self._arrived_at = now - self._arrived_at, now
+        widest = _WIDEST * self._poll_ns
+        if not self._quiet:  # it found the loop blocked
+            if gap > widest:
+                self._window_ns = self._poll_ns // 2
+                return
+            self._window_ns = min(2 * self._window_ns, widest)
+        backend, native = self.engine.backend, self.engine.native
+        if backend is not None and native is not None and not self.closed:
+            if not self._quiet:
+                # The loop looks each turn (_turned): the senders need not ring, which
+                # saves each put(notify=) a system call and the loop a read.
+                self._quiet = True
+                lib.hx_agent_notes_quiet(native, 1)
+            backend.keep_turning(now + self._window_ns, self._turned)
 
     def _turned(self, last: bool) -> None:
         """A turn of the loop keep_turning keeps going: what the doorbells hold is taken.

@@ -579,6 +579,35 @@ async def test_the_loop_turns_for_the_next_notification_only_while_they_come(tra
             assert polls < 10 and cpu < 0.02, f"an idle loop: {polls} polls, {cpu:.3f} s of CPU in 1 s"
 
 
+@not_in_vm
+async def test_the_loop_turns_longer_while_messages_come_just_after_it_stopped():
+    """The window adapts as a halt-polling one does: a message that finds the loop blocked
+    within 4 windows of the last doubles it (from notify_poll_us up to 4x that) and turns; a
+    longer gap sets it back and turns nothing. Long windows: a busy machine cannot blur them."""
+    window = 0.3
+    async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, notify_poll_us=int(window * 1e6)) as t:
+        t.allocate(4096, name="kv")
+        async with aiohixl.Agent("i", token=TOKEN, transports=("shm",)) as agent:
+            peer = await agent.connect(t.address)
+            kv, src = await peer.region("kv"), agent.allocate(4096)
+            inbox, backend = t._core.inbox, t._core.engine.backend
+
+            async def one(data: bytes) -> None:
+                await peer.put(kv, src, notify=data)
+                assert (await t.notification(timeout=60)).data == data
+
+            await one(b"lone")
+            assert not backend._turn_until
+            for grown in (1, 2, 4, 4):  # each found the loop blocked just after it stopped
+                await one(b"next")
+                assert backend._turn_until and inbox._window_ns == grown * window * 1e9
+                if grown < 4:
+                    await wait_until(lambda: not backend._turn_until)
+            await wait_until(lambda: not backend._turn_until)
+            await one(b"after a gap of more than 4 windows")  # the whole widest one went by
+            assert not backend._turn_until and inbox._window_ns == window * 1e9 / 2
+
+
 def _rung(agent: aiohixl.Agent) -> bool:
     """Whether the agent's wake fd says something came (a doorbell's wake-up among it)."""
     import select
