@@ -118,6 +118,7 @@ class Peer(metaclass=NoPublicConstructor):
     async def path(self, remote: RemoteRef) -> str:
         """How ops on ``remote`` travel: "shm-memfd", "shm-cma", "verbs", "tcp" or "loopback"."""
         self._engine.check_loop("Peer.path")
+        self._check_open("Peer.path")  # a closed or lost peer has no path left to report
         rs = self._remote_slice(remote, "Peer.path")
         return (await self._core.route(rs.region.info, "Peer.path"))[1]
 

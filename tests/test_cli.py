@@ -126,6 +126,9 @@ def test_bench_quick_writes_json(tmp_path):
         side = data["transports"][name]["notify"]["4 KiB"]["beside"]
         assert side["rounds"] >= 2 and 0 < side["put_median_us"] < side["median_us"] and side["asyncio_wake_us"] > 0
         assert side["over_put"] == side["median_us"] / side["put_median_us"]
+        if name == "tcp":  # a target process: also timed with the two loops pinned
+            assert side["pinned_one_cpu_us"] > 0 and side["native_wake_one_cpu_us"] > 0
+            assert "the two loops pinned, same rounds:" in proc.stdout
         assert side["native_wake_apart_us"] > 0 and "on two CPUs" in proc.stdout
     side = data["transports"]["tcp"]["rtt_beside"]
     assert side["rtt_us"] > 0 and side["ratio"] == side["put_us"] / side["rtt_us"]

@@ -309,6 +309,8 @@ async def test_closed_peer_and_region():
         await peer.aclose()
         with pytest.raises(aiohixl.ClosedError, match="Peer.put: peer"):
             await peer.put(remote, region)
+        with pytest.raises(aiohixl.ClosedError, match="Peer.path: peer"):
+            await peer.path(remote)
 
 
 async def test_idle_agent_does_not_spin():

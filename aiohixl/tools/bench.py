@@ -24,8 +24,8 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -436,18 +436,40 @@ async def rtt_beside(peer: Any, remote: Any, local: Any, size: int, ops: int, se
     return {"put_us": best_put, "rtt_us": best_rtt, "ratio": best_put / best_rtt, "rounds": ROUNDS}
 
 
+@contextmanager
+def _pinned(target: TargetProcess, apart: bool) -> Iterator[None]:
+    """This thread (the bench's event loop) on the first CPU it may run on, and the target's
+    loop thread (its main thread) on the second (``apart``) or the same one: placed as the
+    wake-up baselines pinned are. Both given back their CPUs after."""
+    mine, theirs = os.sched_getaffinity(0), os.sched_getaffinity(target.proc.pid)
+    first, *rest = sorted(mine)
+    os.sched_setaffinity(0, {first})
+    os.sched_setaffinity(target.proc.pid, {rest[0] if apart else first})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
+        os.sched_setaffinity(target.proc.pid, theirs)
+
+
 async def notify_beside(
     agent: Any, peer: Any, target: Any, remote: Any, local: Any, size: int, ops: int, seconds: float
 ) -> dict[str, Any]:
     """``put(notify=)`` -> ``notification()``, the put alone, and the native and asyncio
     one-way wake-ups (``wake_floor``) timed in alternating rounds, each keeping its best median:
     the ratios of the notify rows, free of the machine's drift between the baselines and this
-    path."""
-    note = put = floor = wake = apart = math.inf
+    path. To a target process, also with the two loops pinned to two CPUs and to one, beside
+    the native wake-up placed the same way: like against like, whichever way the scheduler
+    runs the unpinned rounds."""
+    note = put = floor = wake = apart = one = math.inf
+    pinned = {"two_cpus": math.inf, "one_cpu": math.inf} if target is not None else {}
+    if len(os.sched_getaffinity(0)) < 2:
+        pinned.pop("two_cpus", None)
     for _ in range(ROUNDS):
         try:
             floor = min(floor, baselines.asyncio_wake_rtt_us(seconds)["median"] / 2)
             wake = min(wake, baselines.wake_rtt_us(seconds)["median"] / 2)
+            one = min(one, baselines.wake_rtt_us(seconds, cpus=1)["median"] / 2)
         except OSError as exc:  # said, as a baseline that failed is: the rest of the run goes on
             return {"error": str(exc)}
         try:
@@ -456,6 +478,10 @@ async def notify_beside(
             pass
         put = min(put, (await latency(peer, "put", remote, local, size, ops))["median_us"])
         note = min(note, (await notify_latency(agent, peer, target, remote, local, size, ops))["median_us"])
+        for arm in pinned:
+            with _pinned(target, arm == "two_cpus"):
+                timed = await notify_latency(agent, peer, target, remote, local, size, ops)
+            pinned[arm] = min(pinned[arm], timed["median_us"])
     out = {
         "median_us": note,
         "put_median_us": put,
@@ -463,11 +489,18 @@ async def notify_beside(
         "beyond_over_asyncio_wake": (note - put) / floor,
         "native_wake_us": wake,
         "beyond_over_native_wake": (note - put) / wake,
+        "native_wake_one_cpu_us": one,
         "over_put": note / put,
         "rounds": ROUNDS,
     }
     if apart < math.inf:
         out.update(native_wake_apart_us=apart, beyond_over_native_wake_apart=(note - put) / apart)
+    if "two_cpus" in pinned and apart < math.inf:
+        us = pinned["two_cpus"]
+        out.update(pinned_two_cpus_us=us, pinned_two_cpus_beyond_over_native_wake=(us - put) / apart)
+    if "one_cpu" in pinned:
+        us = pinned["one_cpu"]
+        out.update(pinned_one_cpu_us=us, pinned_one_cpu_beyond_over_native_wake=(us - put) / one)
     return out
 
 

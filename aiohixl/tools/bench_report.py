@@ -539,6 +539,19 @@ def _notify(t: dict[str, Any], b: dict[str, Any]) -> list[str]:
                     else ""
                 )
             )
+        if side and "pinned_one_cpu_us" in side:
+            two = (
+                f"on two CPUs {side['pinned_two_cpus_us']:.1f} us, beyond the put"
+                f" {side['pinned_two_cpus_beyond_over_native_wake']:.2f}x the native one-way wake-up there"
+                f" ({side['native_wake_apart_us']:.1f} us); "
+                if "pinned_two_cpus_us" in side
+                else ""
+            )
+            lines.append(
+                f"    the two loops pinned, same rounds: {two}on one CPU {side['pinned_one_cpu_us']:.1f} us,"
+                f" {side['pinned_one_cpu_beyond_over_native_wake']:.2f}x the one there"
+                f" ({side['native_wake_one_cpu_us']:.1f} us)"
+            )
         off = v.get("poll_off_beside")
         if off:
             lines.append(
