@@ -451,6 +451,8 @@ def test_bad_arguments_are_refused_before_anything_starts():
         ({"rank": 0, "namespace": b"job"}, "namespace must be a str, not bytes"),
         ({"rank": 0, "timeout": "x"}, "timeout must be a number of seconds, not str"),
         ({"rank": 0, "token": 4}, "a token is str or bytes, not int"),
+        ({"rank": 0, "group": ""}, "group='' names nothing"),  # was taken as "default"
+        ({"rank": 0, "namespace": ""}, "namespace='' names nothing"),
     ]:
         with pytest.raises(aiohixl.InvalidArgument, match=text):
             asyncio.run(go(**{**tcp, **kw}))

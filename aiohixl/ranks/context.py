@@ -421,6 +421,9 @@ async def init(
             raise InvalidArgument(f"{what}: give rank= or set AIOHIXL_RANK")
     if world_size is None:
         world_size = _env_int("AIOHIXL_WORLD_SIZE", what)
+    for arg, given in (("group", group), ("namespace", namespace)):
+        if given == "":  # not taken as "not given": a name that silently became "default"
+            raise InvalidArgument(f"{what}: {arg}='' names nothing (None takes the default)")
     group = group or os.environ.get("AIOHIXL_GROUP") or "default"
     store = store or os.environ.get("AIOHIXL_STORE")
     namespace = namespace or os.environ.get("AIOHIXL_JOB") or "default"
