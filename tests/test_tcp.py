@@ -618,6 +618,11 @@ async def test_a_lone_put_failing_as_its_agent_closes_raises_that():
 
 
 async def test_a_put_stalled_mid_payload_cannot_hold_a_region_forever():
+    """stall_timeout cuts a connection that stops in the middle of a put's payload, so the
+    region it writes can be closed. The client says it is on another host (so its frame
+    carries the region's key): a same-host peer must also acknowledge the withdrawal, which
+    a silent one never does, and close() then waited WITHDRAW_TIMEOUT (5 s) in more than half
+    the runs on a slow host, whatever the stall cut did."""
     import struct
 
     target = await Target.start(stall=1.0)
@@ -625,14 +630,13 @@ async def test_a_put_stalled_mid_payload_cannot_hold_a_region_forever():
         await target.alloc("kv", 1 << 20, seed=3)
         async with aiohixl.Agent(token=TOKEN, transports=TCP) as agent:
             # A real client's handshake, then half a PUT frame and silence.
+            me = c.Identity(agent.id, "stall", c.HostIdentity("elsewhere/1", "boot-1", "ns"), ["tcp"])
             ch = c.Channel(await anyio.connect_tcp("127.0.0.1", target.port))
-            info = await c.client_handshake(
-                ch, TOKEN.encode(), w.ROLE_CONTROL, bytes(16), hooks.identity(agent), "stall"
-            )
+            info = await c.client_handshake(ch, TOKEN.encode(), w.ROLE_CONTROL, bytes(16), me, "stall")
             kv = [aiohixl.RemoteRegion(__import__("aiohixl").descriptor.decode(d)) for d in info.regions][0]
             data_ch = c.Channel(await anyio.connect_tcp("127.0.0.1", target.port))
-            await c.client_handshake(data_ch, TOKEN.encode(), w.ROLE_DATA, info.session, hooks.identity(agent), "stall")
-            header = struct.pack("<IB3xI4xQQQ", 0x50445848, 1, kv.id, 0, 1 << 20, 1)
+            await c.client_handshake(data_ch, TOKEN.encode(), w.ROLE_DATA, info.session, me, "stall")
+            header = struct.pack("<IB3xI4xQQQQ", 0x50445848, 1, kv.id, 0, 1 << 20, 1, kv.key)  # off, len, op id, key
             await data_ch.stream.send(header + bytes(1000))
             sock = data_ch.stream.extra(anyio.abc.SocketAttribute.raw_socket)
             await wait_until(lambda: tcp_queues(sock)[0] == 0, what="the target read the half frame")
