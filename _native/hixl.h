@@ -59,8 +59,10 @@ typedef struct {
  * that sent it, 0 for this agent itself), `len` bytes of data; with
  * HX_NOTE_IMM in flags, a verbs WRITE WITH IMM of `nbytes` carrying `imm`;
  * with HX_NOTE_RUNG, read from a shm doorbell ring by the draining thread
- * (the event loop's), no native thread of this agent woken for it. */
-enum { HX_NOTE_MAX = 4096, HX_NOTE_IMM = 1, HX_NOTE_RUNG = 2 };
+ * (the event loop's), no native thread of this agent woken for it; with
+ * HX_NOTE_SERVED, from a tcp connection that the event loop reads itself
+ * while it turns (hx_agent_notes_quiet). */
+enum { HX_NOTE_MAX = 4096, HX_NOTE_IMM = 1, HX_NOTE_RUNG = 2, HX_NOTE_SERVED = 4 };
 typedef struct {
     uint64_t source;
     uint32_t imm;
@@ -106,14 +108,16 @@ int hx_test_ring_unseen(hx_agent *a);
  * queue holds senders back: default 4096). */
 int hx_agent_drain_notes(hx_agent *a, hx_note *out, int max);
 int hx_agent_notes_pending(hx_agent *a);
-/* Whether a drain_notes may find any (no system call): 0 only when nothing is
- * queued natively and no transport holds any. */
+/* Whether a drain_notes may find any: 0 only when nothing is queued natively
+ * and no transport holds any. The event loop's thread only. No system call,
+ * except while quiet: tcp's target connections are read here then. */
 int hx_agent_notes_ready(hx_agent *a);
 /* quiet = 1: the event loop looks for notifications itself on each of its
  * turns (hx_agent_notes_ready), so senders need not wake it: shm's doorbells
- * stop asking to be rung. quiet = 0: they ask again; returns 1 when a ring
- * already holds records, which the caller must then drain (no ring will
- * announce them), else 0. */
+ * stop asking to be rung, and the loop reads tcp's target connections (the
+ * I/O thread stops watching them). quiet = 0: the doorbells ask again, the
+ * I/O thread reads again; returns 1 when a ring already holds records, which
+ * the caller must then drain (no ring will announce them), else 0. */
 int hx_agent_notes_quiet(hx_agent *a, int quiet);
 uint64_t hx_agent_notes_dropped(hx_agent *a);
 void hx_agent_set_notes(hx_agent *a, uint32_t capacity);
@@ -142,6 +146,9 @@ void hx_tcp_send_stats(hx_agent *a, uint64_t *spliced, uint64_t *copied);
 /* Tests: whether the answers on the way on tcp peer p are left for the
  * poster to read (HX_POSTED_POLL), not the I/O thread. */
 int hx_test_tcp_poll_owed(hx_peer *p);
+/* Tests: how many tcp target connections the event loop reads itself now
+ * (hx_agent_notes_quiet), and how many target connections are open. */
+int hx_test_tcp_served(hx_agent *a, int *open);
 /* Stops accepting work, fails queued work with HX_E_CLOSED, waits for work
  * already touching memory, joins native threads. Safe to call twice. */
 void hx_agent_shutdown(hx_agent *a);

@@ -122,8 +122,10 @@ typedef struct hx_transport {
      * rings): moved into it (hx_note_enqueue) as far as it has room, every
      * sender's (all) or only source's; returns how many it still holds. */
     uint32_t (*move_notes)(hx_agent *a, bool all, uint64_t source);
-    /* Whether it may hold such notifications now: no system call, no false
-     * "no" for what the loop's wake fd does not announce. */
+    /* Whether it may hold such notifications now: no false "no" for what the
+     * loop's wake fd does not announce. No system call, unless the loop reads
+     * the transport itself (tcp, after notes_quiet): that read happens here,
+     * and what it queues needs no wake-up (the caller drains). */
     bool (*notes_held)(hx_agent *a);
     /* hx_agent_notes_quiet: the loop looks itself (quiet), or is to be woken
      * again; returns whether it holds notifications (after !quiet: that no

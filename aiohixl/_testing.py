@@ -10,7 +10,7 @@ from ._agent.peer_core import PeerCore
 from ._control.handshake import Identity
 from ._loop import backends
 from ._loop.engine import Engine
-from ._loop.native import lib
+from ._loop.native import ffi, lib
 from .agent import Agent
 from .descriptor import RegionInfo
 from .memory import Region
@@ -117,6 +117,13 @@ def answers_left_to_poster(peer: Peer) -> bool:
     """tcp: whether the answers on the way on ``peer`` are left for the task that awaits
     them to read (HX_POSTED_POLL), not its agent's I/O thread."""
     return bool(lib.hx_test_tcp_poll_owed(_peer(peer).notes.handle))
+
+
+def tcp_served(agent: Agent) -> tuple[int, int]:
+    """tcp: (target connections the agent's event loop reads itself now, target connections open)."""
+    open_ = ffi.new("int *")
+    served = int(lib.hx_test_tcp_served(_agent(agent).engine.native, open_))
+    return served, int(open_[0])
 
 
 def _agent(agent: Agent) -> AgentCore:

@@ -33,6 +33,7 @@ MAX_NOTIFICATION = int(lib.HX_NOTE_MAX)
 _BATCH = 64
 _IMM = int(lib.HX_NOTE_IMM)
 _RUNG = int(lib.HX_NOTE_RUNG)
+_TURNS = _RUNG | int(lib.HX_NOTE_SERVED)  # notifications that keep the loop turning (_poll)
 _drain_notes = lib.hx_agent_drain_notes  # one lookup, not one per pull
 _notes_ready = lib.hx_agent_notes_ready
 _UNKNOWN = (None, None)  # a sender whose session is no longer known
@@ -102,7 +103,7 @@ class Inbox:
         self._poll_ns = poll_us * 1000  # Agent(notify_poll_us=...)
         self._window_ns = self._poll_ns // 2  # how long the loop turns after a message (_poll)
         self._arrived_at = 0  # when doorbell messages were last taken from the native queue
-        self._quiet = False  # the loop turns and looks itself: doorbells are not rung
+        self._quiet = False  # the loop turns and looks itself: doorbells are not rung, tcp is read by it
         # The sender's (name, agent id): by session key, or ``own`` for source 0 (this agent).
         self.names, self.own = names, own
         self._queue: collections.deque[Notification] = collections.deque()
@@ -128,7 +129,7 @@ class Inbox:
         native = self.engine.native
         if native is None or not (woken or self._short or _notes_ready(native)):
             return
-        moved = rung = 0
+        moved = turns = 0
         queue, buf, names = self._queue, self._buf, self.names
         while True:
             room = self.capacity - len(queue)
@@ -140,7 +141,7 @@ class Inbox:
                 source = e.source
                 name, agent_id = names.get(source) or (self.own if source == 0 else _UNKNOWN)
                 flags = e.flags
-                rung |= flags & _RUNG
+                turns |= flags & _TURNS
                 imm = int(e.imm) if flags & _IMM else None
                 queue.append(Notification(ffi.buffer(e.data, e.len)[:], imm, name, e.nbytes, agent_id))
             moved += n
@@ -150,16 +151,17 @@ class Inbox:
                 break
         if moved and self._space:
             self._wake_space()
-        if rung and self._poll_ns:
+        if turns and self._poll_ns:
             self._poll()
         if self._waiters and self._queue:
             self._serve()
 
     def _poll(self) -> None:
-        """Messages arrived by shm's doorbell: keep the loop turning for the next while they
-        come that often. The next is then seen on the loop's next turn rather than by waking
-        a blocked loop, which costs its thread 20-40 us here and the sender's wake of it 15
-        more (docs/api.md, "Notifications").
+        """Messages arrived by shm's doorbell or over tcp: keep the loop turning for the next
+        while they come that often. The next is then seen on the loop's next turn rather than
+        by waking a blocked loop, which costs its thread 20-40 us here and the sender's wake
+        of it 15 more (docs/api.md, "Notifications"). Meanwhile the loop reads tcp's target
+        connections itself (hx_agent_notes_quiet), so the I/O thread is not woken either.
 
         How long it turns adapts as a halt-polling vCPU's window does (Linux's KVM): a message
         taken while the loop turned keeps the window; one that found it blocked, within
@@ -168,9 +170,8 @@ class Inbox:
         sees includes its own wake-up, so a fixed bound on it made a ping-pong whose answer
         takes 40-50 us (two processes on two CPUs) find the loop blocked every time.
 
-        Not for what a native thread received (tcp, verbs): that thread is woken first
-        whatever the loop does, and a turning loop takes the CPU it needs (tcp: 56-62 us
-        against 49-65). Nor for sparser streams: the window would seldom catch the next."""
+        Not for verbs: its completion thread is woken first whatever the loop does. Nor for
+        sparser streams: the window would seldom catch the next."""
         now = _now_ns()
         gap, self._arrived_at = now - self._arrived_at, now
         widest = _WIDEST * self._poll_ns
@@ -183,15 +184,17 @@ class Inbox:
         if backend is not None and native is not None and not self.closed:
             if not self._quiet:
                 # The loop looks each turn (_turned): the senders need not ring, which
-                # saves each put(notify=) a system call and the loop a read.
+                # saves each put(notify=) a system call and the loop a read; and it reads
+                # tcp's target connections, so their requests wake no I/O thread.
                 self._quiet = True
                 lib.hx_agent_notes_quiet(native, 1)
             backend.keep_turning(now + self._window_ns, self._turned)
 
     def _turned(self, last: bool) -> None:
-        """A turn of the loop keep_turning keeps going: what the doorbells hold is taken.
-        After the ``last`` one they are rung again, and what came before that is taken now:
-        nothing would announce it."""
+        """A turn of the loop keep_turning keeps going: what the doorbells and tcp's target
+        connections hold is taken. After the ``last`` one the doorbells are rung again (and
+        the I/O thread reads tcp), and what came before that is taken now: nothing would
+        announce it."""
         native = self.engine.native
         if native is None:
             return

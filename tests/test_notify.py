@@ -558,7 +558,7 @@ async def test_the_loop_turns_for_the_next_notification_only_while_they_come(tra
     """notify_poll_us: once doorbell (shm) notifications come within two windows of each other,
     the receiving loop keeps turning for the next for a window (a long one here, so that a busy
     machine cannot hide it); a lone one, and an idle agent, cost nothing. 0: it never turns.
-    Over tcp the I/O thread receives them, and the loop never turns."""
+    Over tcp the same: the turning loop reads the connection itself."""
     async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, notify_poll_us=window_us) as t:
         t.allocate(4096, name="kv")
         async with aiohixl.Agent("i", token=TOKEN, transports=transports) as agent:
@@ -573,7 +573,7 @@ async def test_the_loop_turns_for_the_next_notification_only_while_they_come(tra
                 await peer.put(kv, src, notify=b"%d" % i)
                 assert (await t.notification(timeout=60)).data == b"%d" % i
             polls, cpu = await _loop_turns(0.2)
-            if window_us == 300_000 and transports == ("shm",):
+            if window_us == 300_000:
                 assert polls > 50, f"the loop polled its selector {polls} times in 0.2 s of turning"
             else:
                 assert polls < 10 and cpu < 0.02, f"without turning: {polls} polls, {cpu:.3f} s of CPU in 0.2 s"
@@ -648,3 +648,84 @@ async def test_a_turning_loop_is_not_rung_and_takes_what_came_as_it_stopped():
             await peer.put(kv, src, notify=b"rung")
             assert _rung(t)
             assert (await t.notification(timeout=60)).data == b"rung"
+
+
+@not_in_vm
+async def test_a_turning_loop_reads_tcp_itself_and_gives_reading_back_as_it_stops():
+    """While the loop turns for tcp notifications it reads the connection itself (the I/O
+    thread no longer watches it, so no thread is woken for a message). After the window the
+    I/O thread reads it again: a message that came during the last turn is taken then, and
+    later ones as before."""
+    window = 0.3  # long: a busy machine cannot end it between two steps
+    async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, notify_poll_us=int(window * 1e6)) as t:
+        t.allocate(4096, name="kv")
+        async with aiohixl.Agent("i", token=TOKEN, transports=("tcp",)) as agent:
+            peer = await agent.connect(t.address)
+            kv, src = await peer.region("kv"), agent.allocate(4096)
+            for i in range(5):  # close together: the loop turns
+                await peer.put(kv, src, notify=b"%d" % i)
+                assert (await t.notification(timeout=60)).data == b"%d" % i
+            backend = t._core.engine.backend
+            assert backend._turn_until and hooks.tcp_served(t) == (1, 1)
+            await peer.put(kv, src, notify=b"served")  # answered by the target's loop itself
+            assert (await t.notification(timeout=60)).data == b"served"
+            assert hooks.tcp_served(t) == (1, 1)
+
+            waiter = asyncio.create_task(t.notification(timeout=60))
+            await asyncio.sleep(0)  # it waits
+            posted = peer.put(kv, src, notify=b"last")
+            time.sleep(2 * window)  # the loop's next turn is its last: past the window
+            assert (await asyncio.wait_for(waiter, 10)).data == b"last"
+            await posted
+            await wait_until(lambda: not backend._turn_until)
+            assert hooks.tcp_served(t) == (0, 1)
+
+            await peer.put(kv, src, notify=b"read by the I/O thread")
+            assert (await t.notification(timeout=60)).data == b"read by the I/O thread"
+
+
+@not_in_vm
+async def test_a_large_put_to_a_turning_loop_lands_whole_before_its_message():
+    """A put far larger than what the turning loop reads in one turn (256 KiB) goes back to
+    the I/O thread, which reads the rest (and what follows, until the loop stops turning):
+    every byte lands, each message after its data, in order."""
+    big = 8 << 20
+    async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, notify_poll_us=300_000) as t:
+        dst = t.allocate(big, name="kv")
+        async with aiohixl.Agent("i", token=TOKEN, transports=("tcp",)) as agent:
+            peer = await agent.connect(t.address)
+            kv, src = await peer.region("kv"), agent.allocate(big)
+            data = pattern(big, seed=7)
+            src.memory[:] = data
+            for i in range(5):  # the loop turns
+                await peer.put(kv[:4096], src[:4096], notify=b"%d" % i)
+                assert (await t.notification(timeout=60)).data == b"%d" % i
+            assert t._core.engine.backend._turn_until and hooks.tcp_served(t) == (1, 1)
+            for round_ in range(3):
+                dst.memory[:] = bytes(big)
+                puts = [peer.put(kv, src, notify=b"big %d" % round_)]
+                puts += [peer.put(kv[:4096], src[:4096], notify=b"small %d.%d" % (round_, i)) for i in range(3)]
+                note = await t.notification(timeout=60)
+                assert note.data == b"big %d" % round_ and sha(dst.memory) == sha(data)
+                for i in range(3):
+                    assert (await t.notification(timeout=60)).data == b"small %d.%d" % (round_, i)
+                await asyncio.gather(*puts)
+                assert hooks.tcp_served(t) == (0, 1)  # the I/O thread took the big one over
+
+
+@not_in_vm
+async def test_a_sender_that_goes_away_while_the_loop_reads_it_leaves_the_target_serving():
+    """The initiator closes while the target's loop turns and reads its connection: the
+    target drops that connection, keeps turning or stops as messages say, and serves a new
+    sender; it then closes cleanly."""
+    async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, notify_poll_us=300_000) as t:
+        t.allocate(4096, name="kv")
+        for sender in range(3):
+            async with aiohixl.Agent("i", token=TOKEN, transports=("tcp",)) as agent:
+                peer = await agent.connect(t.address)
+                kv, src = await peer.region("kv"), agent.allocate(4096)
+                for i in range(5):
+                    await peer.put(kv, src, notify=b"%d.%d" % (sender, i))
+                    assert (await t.notification(timeout=60)).data == b"%d.%d" % (sender, i)
+                assert t._core.engine.backend._turn_until and hooks.tcp_served(t) == (1, 1)
+            await wait_until(lambda: hooks.tcp_served(t) == (0, 0))

@@ -79,6 +79,11 @@ int hx_note_enqueue(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t 
     return queue(a, &(hx_note_entry){.source = source, .len = len, .flags = HX_NOTE_RUNG}, data, force);
 }
 
+/* Set while the event loop's thread asks whether notifications are ready
+ * (hx_agent_notes_ready): what a transport queues then needs no wake-up,
+ * the loop drains next. */
+static __thread bool loop_asks;
+
 int hx_note_push(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len, uint32_t imm,
                  uint32_t flags, uint32_t nbytes)
 {
@@ -89,7 +94,7 @@ int hx_note_push(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len
         return HX_E_BUSY;
     hx_note_entry head = {.source = source, .imm = imm, .flags = flags, .nbytes = nbytes, .len = len};
     int rc = queue(a, &head, data, false);
-    if (rc == HX_OK)
+    if (rc == HX_OK && !loop_asks)
         hx_wake(a);
     return rc;
 }
@@ -147,9 +152,11 @@ int hx_agent_notes_ready(hx_agent *a)
     pthread_mutex_lock(&a->note_lock);
     bool ready = a->note_head != NULL;
     pthread_mutex_unlock(&a->note_lock);
+    loop_asks = true;
     for (int t = 0; t < HX_NTRANSPORTS && !ready; t++)
         if (hx_transports[t]->notes_held)
             ready = hx_transports[t]->notes_held(a);
+    loop_asks = false;
     return ready;
 }
 

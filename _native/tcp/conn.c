@@ -19,7 +19,7 @@ void tcp_update_interest(hx_agent *a, conn *c)
     if (c->broken)
         return;
     uint32_t want = EPOLLRDHUP;
-    if ((!c->target || c->outq < OUTQ_HIGH) && !c->note_held && !c->polling)
+    if ((!c->target || c->outq < OUTQ_HIGH) && !c->note_held && !c->polling && !c->served)
         want |= EPOLLIN;
     if (c->unsent && !c->tx_held && !c->tx_self)
         want |= EPOLLOUT;
@@ -334,6 +334,8 @@ void tcp_conn_fail(hx_agent *a, conn *c, int status)
     c->outq = 0;
     pthread_mutex_unlock(&c->lock);
     epoll_ctl(T(a)->io->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+    if (c->served) /* the event loop polls for it no more either */
+        epoll_ctl(T(a)->io->serve_epfd, EPOLL_CTL_DEL, c->fd, NULL);
     if (f && c->pipe_tried) {
         /* Spliced pages may wait in the send queue: reset, which drops it,
          * before the ops fail and their memory may be reused. */
@@ -417,6 +419,7 @@ conn *tcp_conn_new(hx_agent *a, int fd, const tcp_role *role, uint64_t session)
     c->target = role->target;
     c->session = session;
     c->pipe_r = c->pipe_w = -1;
+    c->rx_cap = UINT64_MAX;
     atomic_init(&c->fail_req, 0);
     atomic_init(&c->freeing, false);
     atomic_init(&c->heard_ns, 0);

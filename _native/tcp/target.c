@@ -90,7 +90,7 @@ static int note_done(hx_agent *a, conn *c)
     if (c->note_dep && c->note_dep == c->refused_op) {
         status = c->refused_status;
     } else {
-        int rc = hx_note_push(a, c->session, c->note_buf, c->note_len, 0, 0, 0);
+        int rc = hx_note_push(a, c->session, c->note_buf, c->note_len, 0, HX_NOTE_SERVED, 0);
         if (rc == HX_E_BUSY) {
             c->note_held = true;
             return HX_OK;

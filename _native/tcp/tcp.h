@@ -18,6 +18,7 @@
 #define HX_TCP_CHUNK (1u << 20)
 #define RBUF_SIZE (16u * 1024u)     /* each connection's read-ahead buffer */
 #define RDIRECT (16u * 1024u)       /* the rest of a payload at least this big is received in place */
+#define SERVE_MAX (256u * 1024u)    /* the event loop's read of a conn per turn (tcp_notes_served) */
 #define OUTQ_HIGH 512               /* target stops reading requests above this many queued responses */
 #define HOLD_MAX_NS 1000000         /* a held put waits at most this long for its flush */
 #define ANSWER_BATCH (256u * 1024u) /* target: received bytes after which queued answers go out */
@@ -116,6 +117,7 @@ struct conn {
     /* initiator: frames queued, and answered (in order), under lock */
     uint64_t queued, answered;
     bool polling; /* a submitting thread busy-polls: the I/O thread stops watching for input */
+    bool served;  /* target: the event loop reads it while it turns (io.c, tcp_notes_quiet), as above */
     /* An op went out HX_POSTED_POLL then: polling was set before its send, so
      * its answer is the poster's to read (hx_peer_flush); should that not come
      * within HOLD_MAX_NS, the hold timer hands reading back to the I/O thread.
@@ -164,6 +166,7 @@ struct conn {
     uint64_t rx_since_flush; /* target: bytes received since queued answers last went out */
     bool rx_short;           /* the last receive took less than it offered: the socket was drained */
     bool rx_fresh;           /* a receive happened in this tcp_conn_read (rx_short is its) */
+    uint64_t rx_cap;         /* target: bytes this read may still receive (the event loop's: SERVE_MAX) */
     bool rmore;              /* target: the last request said more frames follow it (REQ_MORE) */
     bool tx_held;            /* target: queued answers wait for those frames (no EPOLLOUT meanwhile) */
     uint32_t note_len;
@@ -175,9 +178,9 @@ struct conn {
 
 /* The I/O thread, started with the agent's first tcp connection. */
 typedef struct tcp_io {
-    int payloads;       /* target conns in the middle of a PUT payload (I/O thread only) */
-    uint64_t requests;  /* peers' requests read, pings aside (I/O thread only): io.c's serve_poll */
-    atomic_int targets; /* target conns: their answers must drain, so the stall check runs */
+    atomic_int payloads;           /* target conns in the middle of a PUT payload */
+    atomic_uint_fast64_t requests; /* peers' requests read, pings aside: io.c's serve_poll */
+    atomic_int targets;            /* target conns: their answers must drain, so the stall check runs */
     int epfd;
     int evfd;
     int tfd;                   /* the hold timer (tcp_hold_arm) */
@@ -190,7 +193,9 @@ typedef struct tcp_io {
     bool stopped; /* takes no connection any more (shut down, or the thread failed); under the lock */
     bool joined;  /* tcp_shutdown joined the thread; under the lock */
     int error;    /* the errno epoll_wait failed with (0: it did not) */
-    atomic_bool note_space; /* the agent's notification queue has room again */
+    atomic_bool note_space;  /* the agent's notification queue has room again */
+    atomic_bool loop_serves; /* the event loop turns and reads target conns itself (tcp_notes_quiet) */
+    int serve_epfd;          /* those conns, which it polls for input on each turn */
 } tcp_io;
 
 /* The transport's state in an agent: a->state[HX_TRANSPORT_TCP], made when
