@@ -87,6 +87,7 @@ class Target(LineProcess):
         stall: float = 10.0,
         max_notes: int = 4096,
         busy_poll_us: int = 0,
+        notify_poll_us: int = 50,
     ) -> Target:
         """``prefix`` runs the target under another command (e.g. unshare)."""
         args = [
@@ -104,6 +105,8 @@ class Target(LineProcess):
             str(max_notes),
             "--busy-poll",
             str(busy_poll_us),
+            "--notify-poll",
+            str(notify_poll_us),
         ]
         if BRIDGE:
             from .rdma_two.bridge import open_bridged

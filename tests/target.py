@@ -50,6 +50,7 @@ async def main() -> None:
     p.add_argument("--stall", type=float, default=10.0)
     p.add_argument("--max-notes", type=int, default=4096)
     p.add_argument("--busy-poll", type=int, default=0)
+    p.add_argument("--notify-poll", type=int, default=50)
     args = p.parse_args()
     async with aiohixl.Agent(
         "target",
@@ -62,6 +63,7 @@ async def main() -> None:
         stall_timeout=args.stall,
         max_notifications=args.max_notes,
         busy_poll_us=args.busy_poll,
+        notify_poll_us=args.notify_poll,
     ) as agent:
         regions = {}
         arrays = {}
@@ -124,6 +126,15 @@ async def main() -> None:
                     imms=[n.imm for n in notes],
                     dropped=agent.notifications_dropped,
                 )
+            elif op == "take_block":
+                # Takes n notifications, then blocks at once, as a handler's synchronous work would.
+                from aiohixl import _testing as hooks
+
+                for _ in range(cmd["n"]):
+                    await agent.notification(timeout=60)
+                served = hooks.tcp_served(agent)
+                print(json.dumps({"ok": True, "blocking": True, "served": served}), flush=True)
+                time.sleep(cmd["seconds"])
             elif op == "block":
                 print(json.dumps({"ok": True, "blocking": True}), flush=True)  # nothing runs from here
                 time.sleep(cmd["seconds"])  # the event loop stops: a synchronous forward pass

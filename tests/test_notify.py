@@ -729,3 +729,42 @@ async def test_a_sender_that_goes_away_while_the_loop_reads_it_leaves_the_target
                     assert (await t.notification(timeout=60)).data == b"%d.%d" % (sender, i)
                 assert t._core.engine.backend._turn_until and hooks.tcp_served(t) == (1, 1)
             await wait_until(lambda: hooks.tcp_served(t) == (0, 0))
+
+
+@not_in_vm
+async def test_a_turning_target_whose_loop_blocks_still_takes_puts():
+    """The target's loop turns (and reads tcp itself) when its handler blocks it: the I/O
+    thread takes the connection back, so puts land and the connection lives meanwhile, as
+    for a loop that blocks while not turning (the test above)."""
+    target = await Target.start(heartbeat=0.5, notify_poll_us=300_000)
+    block = 8.0
+    try:
+        await target.alloc("kv", 1 << 20)
+        async with aiohixl.Agent(
+            "sender", token=TOKEN, transports=("tcp",), heartbeat_interval=0.5, heartbeat_timeout=1.5
+        ) as agent:
+            peer = await agent.connect(target.address)
+            kv = await peer.region("kv")
+            src = agent.register(pattern(1 << 20, 3))
+            taking = asyncio.create_task(target.ask({"op": "take_block", "n": 5, "seconds": block}, 60))
+            for i in range(5):  # close together: the target's loop turns
+                await peer.put(kv[:4096], src[:4096], notify=f"t{i}".encode())
+            reply = await taking
+            assert reply["served"] == [1, 1], reply  # it blocks while it reads the connection itself
+            blocked = asyncio.create_task(target.unblocked())
+            start = time.monotonic()
+            for i in range(100):
+                await asyncio.wait_for(
+                    peer.put(kv[(i % 256) * 4096 : (i % 256 + 1) * 4096], src[:4096], notify=f"n{i}".encode()),
+                    block / 2,
+                )
+            during = time.monotonic() - start
+            assert not blocked.done() and during < block, "the puts landed while the target's loop slept"
+            await asyncio.sleep(2.0)  # past the heartbeat timeout: still connected
+            assert peer.broken is None
+            await blocked
+            reply = await target.cmd(op="collect", n=100)
+            assert [d for _, d in reply["notes"]] == [f"n{i}" for i in range(100)]
+            assert peer.broken is None
+    finally:
+        await target.aclose()

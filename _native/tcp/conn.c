@@ -329,12 +329,13 @@ void tcp_conn_fail(hx_agent *a, conn *c, int status)
         return;
     }
     c->broken = true;
+    bool served = c->served; /* under lock: set_served leaves a broken conn as it is */
     frame *f = c->head;
     c->head = c->tail = c->unsent = NULL;
     c->outq = 0;
     pthread_mutex_unlock(&c->lock);
     epoll_ctl(T(a)->io->epfd, EPOLL_CTL_DEL, c->fd, NULL);
-    if (c->served) /* the event loop polls for it no more either */
+    if (served) /* the event loop polls for it no more either */
         epoll_ctl(T(a)->io->serve_epfd, EPOLL_CTL_DEL, c->fd, NULL);
     if (f && c->pipe_tried) {
         /* Spliced pages may wait in the send queue: reset, which drops it,

@@ -58,6 +58,8 @@ static uint64_t reclaim_poll(hx_agent *a, conn *c, uint64_t now)
     return 0;
 }
 
+static void serve_all(hx_agent *a, tcp_io *io, bool quiet);
+
 /* The hold timer fired: what was held longer than HOLD_MAX_NS (its event
  * loop, which was to flush it, is busy) goes out from here, and answers owed
  * to posters that long are read here again; the timer is set again for the
@@ -85,6 +87,16 @@ static void flush_held(hx_agent *a)
             atomic_store(&c->fail_req, HX_E_CONNLOST);
         }
         pthread_mutex_unlock(&c->lock);
+    }
+    /* The event loop that reads the target conns (tcp_notes_quiet) has not
+     * turned for HOLD_MAX_NS: it is blocked (a handler's synchronous work),
+     * and its conns would be read by nobody: they are this thread's again. */
+    if (atomic_load(&io->loop_serves) && !io->stopped) {
+        uint64_t at = atomic_load(&io->served_ns);
+        if (at <= now && now - at >= HOLD_MAX_NS)
+            serve_all(a, io, false);
+        else if (!next || at + HOLD_MAX_NS < next)
+            next = at + HOLD_MAX_NS;
     }
     pthread_mutex_unlock(&t->lock);
     if (next) {
@@ -736,13 +748,28 @@ static void tcp_note_space(hx_agent *a)
  * caller holds t->lock and c->lock. */
 static void set_served(hx_agent *a, conn *c, bool served)
 {
-    if (c->served == served)
+    /* A broken conn's fd is closed (or closing: tcp_conn_fail, which takes
+     * it off serve_epfd if served) and its number may be another's. */
+    if (c->served == served || c->broken)
         return;
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
     if (epoll_ctl(T(a)->io->serve_epfd, served ? EPOLL_CTL_ADD : EPOLL_CTL_DEL, c->fd, &ev) != 0 && served)
         return; /* the I/O thread reads it, as before */
     c->served = served;
     tcp_update_interest(a, c); /* after: what waits is reported to the I/O thread (level-triggered) */
+}
+
+/* Every target conn served (quiet) or the I/O thread's again. Caller holds t->lock. */
+static void serve_all(hx_agent *a, tcp_io *io, bool quiet)
+{
+    atomic_store(&io->loop_serves, quiet);
+    for (conn *c = io->conns; c; c = c->next_all) {
+        if (!c->target)
+            continue;
+        pthread_mutex_lock(&c->lock);
+        set_served(a, c, quiet);
+        pthread_mutex_unlock(&c->lock);
+    }
 }
 
 /* hx_agent_notes_quiet: while the event loop turns it reads the target
@@ -756,14 +783,13 @@ static bool tcp_notes_quiet(hx_agent *a, bool quiet)
     pthread_mutex_lock(&t->lock);
     tcp_io *io = t->io && !t->io->stopped ? t->io : NULL;
     if (io && (quiet || atomic_load(&io->loop_serves))) {
-        atomic_store(&io->loop_serves, quiet);
-        for (conn *c = io->conns; c; c = c->next_all) {
-            if (!c->target || c->broken)
-                continue;
-            pthread_mutex_lock(&c->lock);
-            set_served(a, c, quiet);
-            pthread_mutex_unlock(&c->lock);
+        if (quiet) {
+            /* Should the loop stop turning without saying so (blocked), the
+             * hold timer hands its conns back (flush_held). */
+            atomic_store(&io->served_ns, tcp_now_ns());
+            tcp_hold_arm(io);
         }
+        serve_all(a, io, quiet);
     }
     pthread_mutex_unlock(&t->lock);
     return false;
@@ -779,7 +805,9 @@ static void serve_conn(hx_agent *a, conn *c)
      * later turn does. broken is set under rx_lock (tcp_conn_fail). */
     if (!c->served || pthread_mutex_trylock(&c->rx_lock) != 0)
         return;
-    if (c->broken) {
+    /* A failure asked for (a dropped session, a stall) wins over what the
+     * socket holds, as in on_event: the I/O thread's sweep applies it. */
+    if (c->broken || atomic_load(&c->fail_req)) {
         pthread_mutex_unlock(&c->rx_lock);
         return;
     }
@@ -792,7 +820,8 @@ static void serve_conn(hx_agent *a, conn *c)
         int expected = 0;
         atomic_compare_exchange_strong(&c->fail_req, &expected, rc);
         tcp_io_wake(T(a)->io);
-    } else if (more) {
+    }
+    if (rc != HX_OK || more) { /* read no more of a failed conn: the I/O thread fails it */
         pthread_mutex_lock(&c->lock);
         set_served(a, c, false);
         pthread_mutex_unlock(&c->lock);
@@ -809,7 +838,10 @@ static bool tcp_notes_served(hx_agent *a)
     struct epoll_event evs[16];
     pthread_mutex_lock(&t->lock); /* conns are freed under it: those reported are alive */
     tcp_io *io = t->io;
-    int n = io && atomic_load(&io->loop_serves) ? epoll_wait(io->serve_epfd, evs, 16, 0) : 0;
+    bool serves = io && atomic_load(&io->loop_serves);
+    if (serves)
+        atomic_store_explicit(&io->served_ns, tcp_now_ns(), memory_order_relaxed); /* flush_held */
+    int n = serves ? epoll_wait(io->serve_epfd, evs, 16, 0) : 0;
     for (int i = 0; i < n; i++)
         serve_conn(a, evs[i].data.ptr);
     pthread_mutex_unlock(&t->lock);

@@ -193,9 +193,10 @@ typedef struct tcp_io {
     bool stopped; /* takes no connection any more (shut down, or the thread failed); under the lock */
     bool joined;  /* tcp_shutdown joined the thread; under the lock */
     int error;    /* the errno epoll_wait failed with (0: it did not) */
-    atomic_bool note_space;  /* the agent's notification queue has room again */
-    atomic_bool loop_serves; /* the event loop turns and reads target conns itself (tcp_notes_quiet) */
-    int serve_epfd;          /* those conns, which it polls for input on each turn */
+    atomic_bool note_space;         /* the agent's notification queue has room again */
+    atomic_bool loop_serves;        /* the event loop turns and reads target conns itself (tcp_notes_quiet) */
+    int serve_epfd;                 /* those conns, which it polls for input on each turn */
+    atomic_uint_fast64_t served_ns; /* when it last did: a loop silent for HOLD_MAX_NS gives them back */
 } tcp_io;
 
 /* The transport's state in an agent: a->state[HX_TRANSPORT_TCP], made when
