@@ -147,8 +147,9 @@ void hx_tcp_send_stats(hx_agent *a, uint64_t *spliced, uint64_t *copied);
  * poster to read (HX_POSTED_POLL), not the I/O thread. */
 int hx_test_tcp_poll_owed(hx_peer *p);
 /* Tests: how many tcp target connections the event loop reads itself now
- * (hx_agent_notes_quiet), and how many target connections are open. */
-int hx_test_tcp_served(hx_agent *a, int *open);
+ * (hx_agent_notes_quiet), how many target connections are open, and how
+ * many times it gave one back with more to read (a large payload). */
+int hx_test_tcp_served(hx_agent *a, int *open, uint64_t *given_back);
 /* Stops accepting work, fails queued work with HX_E_CLOSED, waits for work
  * already touching memory, joins native threads. Safe to call twice. */
 void hx_agent_shutdown(hx_agent *a);

@@ -121,9 +121,14 @@ def answers_left_to_poster(peer: Peer) -> bool:
 
 def tcp_served(agent: Agent) -> tuple[int, int]:
     """tcp: (target connections the agent's event loop reads itself now, target connections open)."""
-    open_ = ffi.new("int *")
-    served = int(lib.hx_test_tcp_served(_agent(agent).engine.native, open_))
-    return served, int(open_[0])
+    return tcp_serving(agent)[:2]
+
+
+def tcp_serving(agent: Agent) -> tuple[int, int, int]:
+    """tcp_served, and how many times the loop gave a connection back with more to read."""
+    open_, back = ffi.new("int *"), ffi.new("uint64_t *")
+    served = int(lib.hx_test_tcp_served(_agent(agent).engine.native, open_, back))
+    return served, int(open_[0]), int(back[0])
 
 
 def _agent(agent: Agent) -> AgentCore:

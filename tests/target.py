@@ -127,13 +127,16 @@ async def main() -> None:
                     dropped=agent.notifications_dropped,
                 )
             elif op == "take_block":
-                # Takes n notifications, then blocks at once, as a handler's synchronous work would.
+                # Takes notifications until its loop reads tcp itself (at least n, at most 1000),
+                # then blocks at once, as a handler's synchronous work would.
                 from aiohixl import _testing as hooks
 
-                for _ in range(cmd["n"]):
+                taken, served = 0, (0, 0)
+                while taken < 1000 and (taken < cmd["n"] or served != (1, 1)):
                     await agent.notification(timeout=60)
-                served = hooks.tcp_served(agent)
-                print(json.dumps({"ok": True, "blocking": True, "served": served}), flush=True)
+                    taken += 1
+                    served = hooks.tcp_served(agent)
+                print(json.dumps({"ok": True, "blocking": True, "served": served, "taken": taken}), flush=True)
                 time.sleep(cmd["seconds"])
             elif op == "block":
                 print(json.dumps({"ok": True, "blocking": True}), flush=True)  # nothing runs from here

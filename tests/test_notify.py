@@ -650,6 +650,17 @@ async def test_a_turning_loop_is_not_rung_and_takes_what_came_as_it_stopped():
             assert (await t.notification(timeout=60)).data == b"rung"
 
 
+async def _served_by_the_loop(t: aiohixl.Agent, peer, kv, src, tag: bytes) -> None:
+    """put(notify=) to ``t`` until its loop turns and reads the connection itself. It hands the
+    connection back whenever it went 1 ms without a turn (a slow machine, the GC): try again."""
+    for i in range(200):
+        await peer.put(kv, src, notify=tag + b"%d" % i)
+        assert (await t.notification(timeout=60)).data == tag + b"%d" % i
+        if i >= 4 and t._core.engine.backend._turn_until and hooks.tcp_served(t) == (1, 1):
+            return
+    raise AssertionError(f"the loop never read the connection itself: {hooks.tcp_served(t)}")
+
+
 @not_in_vm
 async def test_a_turning_loop_reads_tcp_itself_and_gives_reading_back_as_it_stops():
     """While the loop turns for tcp notifications it reads the connection itself (the I/O
@@ -662,14 +673,10 @@ async def test_a_turning_loop_reads_tcp_itself_and_gives_reading_back_as_it_stop
         async with aiohixl.Agent("i", token=TOKEN, transports=("tcp",)) as agent:
             peer = await agent.connect(t.address)
             kv, src = await peer.region("kv"), agent.allocate(4096)
-            for i in range(5):  # close together: the loop turns
-                await peer.put(kv, src, notify=b"%d" % i)
-                assert (await t.notification(timeout=60)).data == b"%d" % i
+            await _served_by_the_loop(t, peer, kv, src, b"")  # close together: the loop turns
             backend = t._core.engine.backend
-            assert backend._turn_until and hooks.tcp_served(t) == (1, 1)
-            await peer.put(kv, src, notify=b"served")  # answered by the target's loop itself
+            await peer.put(kv, src, notify=b"served")  # read, and answered, by the target's loop
             assert (await t.notification(timeout=60)).data == b"served"
-            assert hooks.tcp_served(t) == (1, 1)
 
             waiter = asyncio.create_task(t.notification(timeout=60))
             await asyncio.sleep(0)  # it waits
@@ -687,8 +694,8 @@ async def test_a_turning_loop_reads_tcp_itself_and_gives_reading_back_as_it_stop
 @not_in_vm
 async def test_a_large_put_to_a_turning_loop_lands_whole_before_its_message():
     """A put far larger than what the turning loop reads in one turn (256 KiB) goes back to
-    the I/O thread, which reads the rest (and what follows, until the loop stops turning):
-    every byte lands, each message after its data, in order."""
+    the I/O thread, which reads the rest; the loop then reads the connection again: every
+    byte lands, each message after its data, in order."""
     big = 8 << 20
     async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, notify_poll_us=300_000) as t:
         dst = t.allocate(big, name="kv")
@@ -697,12 +704,13 @@ async def test_a_large_put_to_a_turning_loop_lands_whole_before_its_message():
             kv, src = await peer.region("kv"), agent.allocate(big)
             data = pattern(big, seed=7)
             src.memory[:] = data
-            for i in range(5):  # the loop turns
-                await peer.put(kv[:4096], src[:4096], notify=b"%d" % i)
-                assert (await t.notification(timeout=60)).data == b"%d" % i
-            assert t._core.engine.backend._turn_until and hooks.tcp_served(t) == (1, 1)
-            for round_ in range(3):
-                dst.memory[:] = bytes(big)
+            round_ = 0
+            # At least 3 rounds, and until the loop read one of the big puts first and gave the
+            # rest to the I/O thread: it reads none when it stalled for 1 ms just then (a busy
+            # machine) and so gave every connection back.
+            while round_ < 3 or (hooks.tcp_serving(t)[2] == 0 and round_ < 20):
+                dst.memory[:] = bytes(big)  # 8 MiB: the loop may well stop serving meanwhile
+                await _served_by_the_loop(t, peer, kv[:4096], src[:4096], b"%d." % round_)
                 puts = [peer.put(kv, src, notify=b"big %d" % round_)]
                 puts += [peer.put(kv[:4096], src[:4096], notify=b"small %d.%d" % (round_, i)) for i in range(3)]
                 note = await t.notification(timeout=60)
@@ -710,7 +718,8 @@ async def test_a_large_put_to_a_turning_loop_lands_whole_before_its_message():
                 for i in range(3):
                     assert (await t.notification(timeout=60)).data == b"small %d.%d" % (round_, i)
                 await asyncio.gather(*puts)
-                assert hooks.tcp_served(t) == (0, 1)  # the I/O thread took the big one over
+                round_ += 1
+            assert hooks.tcp_serving(t)[2] >= 1
 
 
 @not_in_vm
@@ -724,10 +733,7 @@ async def test_a_sender_that_goes_away_while_the_loop_reads_it_leaves_the_target
             async with aiohixl.Agent("i", token=TOKEN, transports=("tcp",)) as agent:
                 peer = await agent.connect(t.address)
                 kv, src = await peer.region("kv"), agent.allocate(4096)
-                for i in range(5):
-                    await peer.put(kv, src, notify=b"%d.%d" % (sender, i))
-                    assert (await t.notification(timeout=60)).data == b"%d.%d" % (sender, i)
-                assert t._core.engine.backend._turn_until and hooks.tcp_served(t) == (1, 1)
+                await _served_by_the_loop(t, peer, kv, src, b"%d." % sender)
             await wait_until(lambda: hooks.tcp_served(t) == (0, 0))
 
 
@@ -747,8 +753,11 @@ async def test_a_turning_target_whose_loop_blocks_still_takes_puts():
             kv = await peer.region("kv")
             src = agent.register(pattern(1 << 20, 3))
             taking = asyncio.create_task(target.ask({"op": "take_block", "n": 5, "seconds": block}, 60))
-            for i in range(5):  # close together: the target's loop turns
-                await peer.put(kv[:4096], src[:4096], notify=f"t{i}".encode())
+            sent = 0
+            while not taking.done():  # close together: the target's loop turns
+                await peer.put(kv[:4096], src[:4096], notify=f"t{sent}".encode())
+                sent += 1
+                await asyncio.sleep(0)
             reply = await taking
             assert reply["served"] == [1, 1], reply  # it blocks while it reads the connection itself
             blocked = asyncio.create_task(target.unblocked())
@@ -763,8 +772,10 @@ async def test_a_turning_target_whose_loop_blocks_still_takes_puts():
             await asyncio.sleep(2.0)  # past the heartbeat timeout: still connected
             assert peer.broken is None
             await blocked
-            reply = await target.cmd(op="collect", n=100)
-            assert [d for _, d in reply["notes"]] == [f"n{i}" for i in range(100)]
+            left = sent - reply["taken"]  # sent as it began to block
+            reply = await target.cmd(op="collect", n=left + 100)
+            notes = [d for _, d in reply["notes"]]
+            assert notes == [f"t{i}" for i in range(sent - left, sent)] + [f"n{i}" for i in range(100)]
             assert peer.broken is None
     finally:
         await target.aclose()

@@ -36,7 +36,9 @@ POLL_SKIP = 15  # tcp.h: lone ops not polled for after a poll that missed
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pair():
-    target = await Target.start()
+    # Its loop never turns for notifications, so its I/O thread reads every request: these tests
+    # are of the initiator's side (its polls); a loop reading tcp itself is test_notify.py's.
+    target = await Target.start(notify_poll_us=0)
     await target.alloc("kv", SPACE + 4096)  # memfd region
     await target.alloc("src", SPACE, seed=SEED, kind="register")  # user memory with a known pattern
     async with aiohixl.Agent("initiator", token=TOKEN, transports=TCP) as agent:

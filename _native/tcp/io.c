@@ -90,7 +90,8 @@ static void flush_held(hx_agent *a)
     }
     /* The event loop that reads the target conns (tcp_notes_quiet) has not
      * turned for HOLD_MAX_NS: it is blocked (a handler's synchronous work),
-     * and its conns would be read by nobody: they are this thread's again. */
+     * and its conns would be read by nobody: they are this thread's again,
+     * until the loop turns again (tcp_notes_served takes them back). */
     if (atomic_load(&io->loop_serves) && !io->stopped) {
         uint64_t at = atomic_load(&io->served_ns);
         if (at <= now && now - at >= HOLD_MAX_NS)
@@ -762,13 +763,40 @@ static void set_served(hx_agent *a, conn *c, bool served)
 /* Every target conn served (quiet) or the I/O thread's again. Caller holds t->lock. */
 static void serve_all(hx_agent *a, tcp_io *io, bool quiet)
 {
+    if (quiet) {
+        /* Should the loop stop turning without saying so (blocked), the
+         * hold timer hands its conns back (flush_held). */
+        atomic_store(&io->served_ns, tcp_now_ns());
+        tcp_hold_arm(io);
+    }
     atomic_store(&io->loop_serves, quiet);
+    io->back_out = 0;
     for (conn *c = io->conns; c; c = c->next_all) {
         if (!c->target)
             continue;
         pthread_mutex_lock(&c->lock);
+        c->back = false;
         set_served(a, c, quiet);
         pthread_mutex_unlock(&c->lock);
+    }
+}
+
+/* Conns given back with more to read (serve_conn) are taken again once the
+ * I/O thread has read what was left (no payload half read). Caller holds
+ * t->lock. */
+static void take_back(hx_agent *a, tcp_io *io)
+{
+    for (conn *c = io->conns; c && io->back_out; c = c->next_all) {
+        if (!c->back || pthread_mutex_trylock(&c->rx_lock) != 0)
+            continue;
+        if (c->broken || !c->in_payload) {
+            c->back = false;
+            io->back_out--;
+            pthread_mutex_lock(&c->lock);
+            set_served(a, c, true);
+            pthread_mutex_unlock(&c->lock);
+        }
+        pthread_mutex_unlock(&c->rx_lock);
     }
 }
 
@@ -782,14 +810,10 @@ static bool tcp_notes_quiet(hx_agent *a, bool quiet)
         return false;
     pthread_mutex_lock(&t->lock);
     tcp_io *io = t->io && !t->io->stopped ? t->io : NULL;
-    if (io && (quiet || atomic_load(&io->loop_serves))) {
-        if (quiet) {
-            /* Should the loop stop turning without saying so (blocked), the
-             * hold timer hands its conns back (flush_held). */
-            atomic_store(&io->served_ns, tcp_now_ns());
-            tcp_hold_arm(io);
-        }
-        serve_all(a, io, quiet);
+    if (io) {
+        atomic_store(&io->loop_quiet, quiet);
+        if (quiet || atomic_load(&io->loop_serves))
+            serve_all(a, io, quiet);
     }
     pthread_mutex_unlock(&t->lock);
     return false;
@@ -798,7 +822,8 @@ static bool tcp_notes_quiet(hx_agent *a, bool quiet)
 /* Reads served conn c as the I/O thread would, SERVE_MAX bytes at most. On
  * a failure the I/O thread fails it (as a polled conn); one that had more
  * (a large payload arriving) goes back to that thread, so that it cannot
- * hold the event loop up. Caller holds t->lock. */
+ * hold the event loop up, until that thread has read it (take_back).
+ * Caller holds t->lock. */
 static void serve_conn(hx_agent *a, conn *c)
 {
     /* Busy: the I/O thread reads it now (a held notification retried); a
@@ -826,6 +851,11 @@ static void serve_conn(hx_agent *a, conn *c)
         set_served(a, c, false);
         pthread_mutex_unlock(&c->lock);
     }
+    if (rc == HX_OK && more) { /* taken again once the rest is read (take_back) */
+        c->back = true;
+        T(a)->io->back_out++;
+        T(a)->io->given_back++;
+    }
 }
 
 /* The event loop's turn (hx_agent_notes_ready) while it serves: the conns
@@ -838,9 +868,13 @@ static bool tcp_notes_served(hx_agent *a)
     struct epoll_event evs[16];
     pthread_mutex_lock(&t->lock); /* conns are freed under it: those reported are alive */
     tcp_io *io = t->io;
-    bool serves = io && atomic_load(&io->loop_serves);
-    if (serves)
+    bool serves = io && !io->stopped && atomic_load(&io->loop_quiet);
+    if (serves && !atomic_load(&io->loop_serves))
+        serve_all(a, io, true); /* the hold timer gave them back while the loop was held up: it turns again */
+    else if (serves)
         atomic_store_explicit(&io->served_ns, tcp_now_ns(), memory_order_relaxed); /* flush_held */
+    if (serves && io->back_out)
+        take_back(a, io);
     int n = serves ? epoll_wait(io->serve_epfd, evs, 16, 0) : 0;
     for (int i = 0; i < n; i++)
         serve_conn(a, evs[i].data.ptr);
@@ -851,12 +885,13 @@ static bool tcp_notes_served(hx_agent *a)
     return ready;
 }
 
-int hx_test_tcp_served(hx_agent *a, int *open)
+int hx_test_tcp_served(hx_agent *a, int *open, uint64_t *given_back)
 {
     tcp_agent *t = T(a);
     int served = 0;
     *open = 0;
     pthread_mutex_lock(&t->lock);
+    *given_back = t->io ? t->io->given_back : 0;
     for (conn *c = t->io ? t->io->conns : NULL; c; c = c->next_all) {
         if (!c->target || c->broken)
             continue;

@@ -118,6 +118,7 @@ struct conn {
     uint64_t queued, answered;
     bool polling; /* a submitting thread busy-polls: the I/O thread stops watching for input */
     bool served;  /* target: the event loop reads it while it turns (io.c, tcp_notes_quiet), as above */
+    bool back;    /* target: given back to the I/O thread with more to read, to be taken again */
     /* An op went out HX_POSTED_POLL then: polling was set before its send, so
      * its answer is the poster's to read (hx_peer_flush); should that not come
      * within HOLD_MAX_NS, the hold timer hands reading back to the I/O thread.
@@ -194,9 +195,12 @@ typedef struct tcp_io {
     bool joined;  /* tcp_shutdown joined the thread; under the lock */
     int error;    /* the errno epoll_wait failed with (0: it did not) */
     atomic_bool note_space;         /* the agent's notification queue has room again */
-    atomic_bool loop_serves;        /* the event loop turns and reads target conns itself (tcp_notes_quiet) */
+    atomic_bool loop_quiet;         /* the event loop turns (tcp_notes_quiet) */
+    atomic_bool loop_serves;        /* and reads target conns itself; the hold timer may give them back */
     int serve_epfd;                 /* those conns, which it polls for input on each turn */
     atomic_uint_fast64_t served_ns; /* when it last did: a loop silent for HOLD_MAX_NS gives them back */
+    uint64_t given_back;            /* conns it gave back with more to read (under the agent's lock): tests */
+    int back_out;                   /* of those, the ones not taken again yet (under the agent's lock) */
 } tcp_io;
 
 /* The transport's state in an agent: a->state[HX_TRANSPORT_TCP], made when
