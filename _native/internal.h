@@ -125,7 +125,7 @@ typedef struct hx_transport {
     /* Whether it may hold such notifications now: no false "no" for what the
      * loop's wake fd does not announce. No system call, unless the loop reads
      * the transport itself (tcp, after notes_quiet): that read happens here,
-     * and what it queues needs no wake-up (the caller drains). */
+     * and what it queues (hx_note_push) needs no wake-up: the caller drains. */
     bool (*notes_held)(hx_agent *a);
     /* hx_agent_notes_quiet: the loop looks itself (quiet), or is to be woken
      * again; returns whether it holds notifications (after !quiet: that no

@@ -81,8 +81,8 @@ int hx_note_enqueue(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t 
 
 /* Set while the event loop's thread asks whether notifications are ready
  * (hx_agent_notes_ready): what a transport queues then needs no wake-up,
- * the loop drains next. */
-static __thread bool loop_asks;
+ * the loop drains next (loop_got says there is something to drain). */
+static __thread bool loop_asks, loop_got;
 
 int hx_note_push(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len, uint32_t imm,
                  uint32_t flags, uint32_t nbytes)
@@ -94,7 +94,9 @@ int hx_note_push(hx_agent *a, uint64_t source, const uint8_t *data, uint32_t len
         return HX_E_BUSY;
     hx_note_entry head = {.source = source, .imm = imm, .flags = flags, .nbytes = nbytes, .len = len};
     int rc = queue(a, &head, data, false);
-    if (rc == HX_OK && !loop_asks)
+    if (rc == HX_OK && loop_asks)
+        loop_got = true;
+    else if (rc == HX_OK)
         hx_wake(a);
     return rc;
 }
@@ -153,9 +155,10 @@ int hx_agent_notes_ready(hx_agent *a)
     bool ready = a->note_head != NULL;
     pthread_mutex_unlock(&a->note_lock);
     loop_asks = true;
+    loop_got = false;
     for (int t = 0; t < HX_NTRANSPORTS && !ready; t++)
         if (hx_transports[t]->notes_held)
-            ready = hx_transports[t]->notes_held(a);
+            ready = hx_transports[t]->notes_held(a) || loop_got;
     loop_asks = false;
     return ready;
 }

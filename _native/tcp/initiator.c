@@ -135,12 +135,8 @@ static int poll_answer(hx_agent *a, conn *c, uint64_t op_id, uint64_t done_at, u
     }
     pthread_mutex_unlock(&c->lock);
     tcp_inline_op = 0;
-    if (fail) {
-        /* The I/O thread fails the connection, this op with it. */
-        int expected = 0;
-        atomic_compare_exchange_strong(&c->fail_req, &expected, fail);
-        tcp_io_wake(T(a)->io);
-    }
+    if (fail)
+        tcp_peer_fail(&c->base, fail); /* the I/O thread fails the connection, this op with it */
     return tcp_inline_done ? HX_DONE_INLINE : HX_POSTED;
 }
 

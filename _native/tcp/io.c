@@ -841,11 +841,8 @@ static void serve_conn(hx_agent *a, conn *c)
     bool more = c->rx_cap == 0;
     c->rx_cap = UINT64_MAX;
     pthread_mutex_unlock(&c->rx_lock);
-    if (rc != HX_OK) {
-        int expected = 0;
-        atomic_compare_exchange_strong(&c->fail_req, &expected, rc);
-        tcp_io_wake(T(a)->io);
-    }
+    if (rc != HX_OK)
+        tcp_peer_fail(&c->base, rc);
     if (rc != HX_OK || more) { /* read no more of a failed conn: the I/O thread fails it */
         pthread_mutex_lock(&c->lock);
         set_served(a, c, false);
@@ -859,7 +856,8 @@ static void serve_conn(hx_agent *a, conn *c)
 }
 
 /* The event loop's turn (hx_agent_notes_ready) while it serves: the conns
- * with input are read. Returns whether notifications are queued now. */
+ * with input are read. What they bring is queued (hx_note_push), none held
+ * here: returns false. */
 static bool tcp_notes_served(hx_agent *a)
 {
     tcp_agent *t = T(a);
@@ -879,10 +877,7 @@ static bool tcp_notes_served(hx_agent *a)
     for (int i = 0; i < n; i++)
         serve_conn(a, evs[i].data.ptr);
     pthread_mutex_unlock(&t->lock);
-    pthread_mutex_lock(&a->note_lock);
-    bool ready = a->note_head != NULL;
-    pthread_mutex_unlock(&a->note_lock);
-    return ready;
+    return false;
 }
 
 int hx_test_tcp_served(hx_agent *a, int *open, uint64_t *given_back)
