@@ -8,10 +8,13 @@ arrives (tests/target.py ``take_note``), not when the sender says so.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hashlib
 import math
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -369,36 +372,42 @@ async def test_notes_to_a_closed_target_fail():
             await peer.notify(b"too late")
 
 
-@not_in_vm
-async def test_a_target_whose_loop_is_blocked_keeps_its_connections():
-    # heartbeat 0.5 s / timeout 1.5 s on both sides: far shorter than the block.
-    target = await Target.start(heartbeat=0.5)
-    block = 30.0
+@contextlib.asynccontextmanager
+async def _heartbeat_sender(**target_knobs: int) -> AsyncIterator[tuple[Target, Any, Any, Any]]:
+    """A target process with a 1 MiB region "kv" and a tcp sender to it, heartbeat 0.5 s /
+    timeout 1.5 s on both sides: (target, peer, kv, src), src the sender's 1 MiB of pattern(seed 3)."""
+    target = await Target.start(heartbeat=0.5, **target_knobs)
     try:
         await target.alloc("kv", 1 << 20)
         async with aiohixl.Agent(
             "sender", token=TOKEN, transports=("tcp",), heartbeat_interval=0.5, heartbeat_timeout=1.5
         ) as agent:
             peer = await agent.connect(target.address)
-            kv = await peer.region("kv")
-            src = agent.register(pattern(1 << 20, 3))
-            await target.block(block)  # the target's loop is in time.sleep now
-            blocked = asyncio.create_task(target.unblocked())
-            start = time.monotonic()
-            for i in range(1000):
-                await peer.put(kv[(i % 256) * 4096 : (i % 256 + 1) * 4096], src[:4096], notify=f"n{i}".encode())
-            during = time.monotonic() - start
-            assert not blocked.done() and during < block, "the puts landed while the target's loop slept"
-            await asyncio.sleep(3.0)  # idle, past the heartbeat timeout: still connected
-            assert peer.broken is None
-            await blocked
-            reply = await target.cmd(op="collect", n=1000)
-            assert [d for _, d in reply["notes"]] == [f"n{i}" for i in range(1000)]
-            assert await target.hash("kv", 0, 4096) == sha(pattern(1 << 20, 3)[:4096])
-            await peer.put(kv[:4096], src[:4096])  # and the connection works on
-            assert peer.broken is None
+            yield target, peer, await peer.region("kv"), agent.register(pattern(1 << 20, 3))
     finally:
         await target.aclose()
+
+
+@not_in_vm
+async def test_a_target_whose_loop_is_blocked_keeps_its_connections():
+    # heartbeat 0.5 s / timeout 1.5 s on both sides: far shorter than the block.
+    block = 30.0
+    async with _heartbeat_sender() as (target, peer, kv, src):
+        await target.block(block)  # the target's loop is in time.sleep now
+        blocked = asyncio.create_task(target.unblocked())
+        start = time.monotonic()
+        for i in range(1000):
+            await peer.put(kv[(i % 256) * 4096 : (i % 256 + 1) * 4096], src[:4096], notify=f"n{i}".encode())
+        during = time.monotonic() - start
+        assert not blocked.done() and during < block, "the puts landed while the target's loop slept"
+        await asyncio.sleep(3.0)  # idle, past the heartbeat timeout: still connected
+        assert peer.broken is None
+        await blocked
+        reply = await target.cmd(op="collect", n=1000)
+        assert [d for _, d in reply["notes"]] == [f"n{i}" for i in range(1000)]
+        assert await target.hash("kv", 0, 4096) == sha(pattern(1 << 20, 3)[:4096])
+        await peer.put(kv[:4096], src[:4096])  # and the connection works on
+        assert peer.broken is None
 
 
 @not_in_vm
@@ -742,40 +751,30 @@ async def test_a_turning_target_whose_loop_blocks_still_takes_puts():
     """The target's loop turns (and reads tcp itself) when its handler blocks it: the I/O
     thread takes the connection back, so puts land and the connection lives meanwhile, as
     for a loop that blocks while not turning (the test above)."""
-    target = await Target.start(heartbeat=0.5, notify_poll_us=300_000)
     block = 8.0
-    try:
-        await target.alloc("kv", 1 << 20)
-        async with aiohixl.Agent(
-            "sender", token=TOKEN, transports=("tcp",), heartbeat_interval=0.5, heartbeat_timeout=1.5
-        ) as agent:
-            peer = await agent.connect(target.address)
-            kv = await peer.region("kv")
-            src = agent.register(pattern(1 << 20, 3))
-            taking = asyncio.create_task(target.ask({"op": "take_block", "n": 5, "seconds": block}, 60))
-            sent = 0
-            while not taking.done():  # close together: the target's loop turns
-                await peer.put(kv[:4096], src[:4096], notify=f"t{sent}".encode())
-                sent += 1
-                await asyncio.sleep(0)
-            reply = await taking
-            assert reply["served"] == [1, 1], reply  # it blocks while it reads the connection itself
-            blocked = asyncio.create_task(target.unblocked())
-            start = time.monotonic()
-            for i in range(100):
-                await asyncio.wait_for(
-                    peer.put(kv[(i % 256) * 4096 : (i % 256 + 1) * 4096], src[:4096], notify=f"n{i}".encode()),
-                    block / 2,
-                )
-            during = time.monotonic() - start
-            assert not blocked.done() and during < block, "the puts landed while the target's loop slept"
-            await asyncio.sleep(2.0)  # past the heartbeat timeout: still connected
-            assert peer.broken is None
-            await blocked
-            left = sent - reply["taken"]  # sent as it began to block
-            reply = await target.cmd(op="collect", n=left + 100)
-            notes = [d for _, d in reply["notes"]]
-            assert notes == [f"t{i}" for i in range(sent - left, sent)] + [f"n{i}" for i in range(100)]
-            assert peer.broken is None
-    finally:
-        await target.aclose()
+    async with _heartbeat_sender(notify_poll_us=300_000) as (target, peer, kv, src):
+        taking = asyncio.create_task(target.ask({"op": "take_block", "n": 5, "seconds": block}, 60))
+        sent = 0
+        while not taking.done():  # close together: the target's loop turns
+            await peer.put(kv[:4096], src[:4096], notify=f"t{sent}".encode())
+            sent += 1
+            await asyncio.sleep(0)
+        reply = await taking
+        assert reply["served"] == [1, 1], reply  # it blocks while it reads the connection itself
+        blocked = asyncio.create_task(target.unblocked())
+        start = time.monotonic()
+        for i in range(100):
+            await asyncio.wait_for(
+                peer.put(kv[(i % 256) * 4096 : (i % 256 + 1) * 4096], src[:4096], notify=f"n{i}".encode()),
+                block / 2,
+            )
+        during = time.monotonic() - start
+        assert not blocked.done() and during < block, "the puts landed while the target's loop slept"
+        await asyncio.sleep(2.0)  # past the heartbeat timeout: still connected
+        assert peer.broken is None
+        await blocked
+        left = sent - reply["taken"]  # sent as it began to block
+        reply = await target.cmd(op="collect", n=left + 100)
+        notes = [d for _, d in reply["notes"]]
+        assert notes == [f"t{i}" for i in range(sent - left, sent)] + [f"n{i}" for i in range(100)]
+        assert peer.broken is None
