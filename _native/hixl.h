@@ -120,6 +120,10 @@ int hx_agent_notes_ready(hx_agent *a);
  * the caller must then drain (no ring will announce them), else 0. */
 int hx_agent_notes_quiet(hx_agent *a, int quiet);
 uint64_t hx_agent_notes_dropped(hx_agent *a);
+/* When the oldest notification the last drain_notes that took any took
+ * was queued here (CLOCK_MONOTONIC ns, time.monotonic_ns()'s clock; 0: none
+ * taken yet). */
+uint64_t hx_agent_notes_arrived(hx_agent *a);
 void hx_agent_set_notes(hx_agent *a, uint32_t capacity);
 /* tcp: every interval_ns each connection is pinged by its native side; one
  * that hears nothing for timeout_ns fails with HX_E_SILENT. */

@@ -185,7 +185,9 @@ struct hx_agent {
     pthread_mutex_t note_lock;
     struct hx_note_entry *note_head, *note_tail;
     uint32_t note_count, note_cap;
-    bool note_blocked; /* a push was refused: someone waits for room */
+    bool note_blocked;      /* a push was refused: someone waits for room */
+    uint64_t note_first_ns; /* when the oldest note queued arrived (CLOCK_MONOTONIC) */
+    uint64_t note_taken_ns; /* that time of the oldest one the last drain that took any took */
     uint64_t note_dropped;
 
     hx_counters stats;

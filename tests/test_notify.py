@@ -12,6 +12,7 @@ import contextlib
 import gc
 import hashlib
 import math
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -618,6 +619,52 @@ async def test_the_loop_turns_longer_while_messages_come_just_after_it_stopped()
             await wait_until(lambda: not backend._turn_until)
             await one(b"after a gap of more than 4 windows")  # the whole widest one went by
             assert not backend._turn_until and inbox._window_ns == window * 1e9 / 2
+
+
+@not_in_vm
+async def test_a_message_that_waited_for_a_held_up_loop_widens_the_window():
+    """The gap a blocked loop judges the window by runs to the message's arrival, not to the
+    loop's late take of it: a tcp message that came within the window's reach while the loop
+    was held up (synchronous work, or its own wake-up) still widens it, and the loop turns."""
+    window = 0.3  # the widest: 1.2 s
+    async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, notify_poll_us=int(window * 1e6)) as t:
+        t.allocate(4096, name="kv")
+        inbox, backend = t._core.inbox, t._core.engine.backend
+        go, sent, failed = threading.Event(), threading.Event(), []
+
+        def sender() -> None:  # its own thread and loop: it sends while the target's loop is held
+            async def run() -> None:
+                async with aiohixl.Agent("i", token=TOKEN, transports=("tcp",)) as agent:
+                    peer = await agent.connect(t.address)
+                    kv, src = await peer.region("kv"), agent.allocate(4096)
+                    for data in (b"lone", b"next"):
+                        await asyncio.get_running_loop().run_in_executor(None, go.wait, 60)
+                        go.clear()
+                        await peer.put(kv, src, notify=data)
+                        sent.set()
+
+            try:
+                asyncio.run(run())
+            except BaseException as exc:  # said by the test
+                failed.append(exc)
+                sent.set()
+
+        thread = threading.Thread(target=sender)
+        thread.start()
+        try:
+            go.set()
+            assert (await t.notification(timeout=60)).data == b"lone"
+            assert not backend._turn_until and inbox._window_ns == window * 1e9 / 2
+            sent.clear()
+            go.set()
+            assert sent.wait(60) and not failed, failed  # the I/O thread took it: queued natively
+            time.sleep(4 * window + 0.1)  # the loop held up past the widest window
+            assert (await t.notification(timeout=60)).data == b"next"
+            assert backend._turn_until and inbox._window_ns == window * 1e9
+        finally:
+            go.set()
+            await asyncio.get_running_loop().run_in_executor(None, thread.join, 60)
+        assert not failed, failed
 
 
 def _rung(agent: aiohixl.Agent) -> bool:

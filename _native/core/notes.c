@@ -6,6 +6,7 @@
 #include "internal.h"
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef struct hx_note_entry {
     struct hx_note_entry *next;
@@ -62,11 +63,15 @@ static int queue(hx_agent *a, const hx_note_entry *head, const uint8_t *data, bo
     e->next = NULL;
     if (len)
         memcpy(e->data, data, len);
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
     pthread_mutex_lock(&a->note_lock);
-    if (a->note_tail)
+    if (a->note_tail) {
         a->note_tail->next = e;
-    else
+    } else {
         a->note_head = e;
+        a->note_first_ns = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+    }
     a->note_tail = e;
     a->note_count++;
     pthread_mutex_unlock(&a->note_lock);
@@ -113,6 +118,9 @@ int hx_agent_drain_notes(hx_agent *a, hx_note *out, int max)
     move_held(a, true, 0);
     int taken = 0;
     pthread_mutex_lock(&a->note_lock);
+    /* Those it leaves arrived later: a drain that takes them says the same. */
+    if (max > 0 && a->note_head)
+        a->note_taken_ns = a->note_first_ns;
     while (taken < max && a->note_head) {
         hx_note_entry *e = a->note_head;
         a->note_head = e->next;
@@ -178,6 +186,14 @@ uint64_t hx_agent_notes_dropped(hx_agent *a)
     uint64_t n = a->note_dropped;
     pthread_mutex_unlock(&a->note_lock);
     return n;
+}
+
+uint64_t hx_agent_notes_arrived(hx_agent *a)
+{
+    pthread_mutex_lock(&a->note_lock);
+    uint64_t at = a->note_taken_ns;
+    pthread_mutex_unlock(&a->note_lock);
+    return at;
 }
 
 void hx_agent_set_notes(hx_agent *a, uint32_t capacity) { a->note_cap = capacity ? capacity : 1; }

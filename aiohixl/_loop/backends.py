@@ -262,8 +262,10 @@ class AsyncioBackend(Backend):
     def _turn(self) -> None:
         if time.monotonic_ns() < self._turn_until:
             _yield()
-            self.loop.call_soon(self._turn)  # first: a turned() that raises ends no chain
-            self._turned(False)
+            try:
+                self._turned(False)
+            finally:  # after what turned() woke: their tasks run before the next turn
+                self.loop.call_soon(self._turn)
         else:
             self._turn_until = 0
             self._turned(True)
