@@ -164,9 +164,12 @@ int hx_agent_notes_ready(hx_agent *a)
     pthread_mutex_unlock(&a->note_lock);
     loop_asks = true;
     loop_got = false;
-    for (int t = 0; t < HX_NTRANSPORTS && !ready; t++)
-        if (hx_transports[t]->notes_held)
-            ready = hx_transports[t]->notes_held(a) || loop_got;
+    /* Each transport is asked even when some are ready: its hook is also the
+     * loop's turn (tcp sends the answers its last read held back). */
+    for (int t = 0; t < HX_NTRANSPORTS; t++)
+        if (hx_transports[t]->notes_held && hx_transports[t]->notes_held(a))
+            ready = true;
+    ready |= loop_got;
     loop_asks = false;
     return ready;
 }

@@ -97,6 +97,7 @@ static int note_done(hx_agent *a, conn *c)
         }
         if (rc != HX_OK)
             status = HX_E_REMOTE;
+        c->noted = rc == HX_OK;
     }
     c->note_held = false;
     c->rnote = false;

@@ -170,6 +170,8 @@ struct conn {
     uint64_t rx_cap;         /* target: bytes this read may still receive (the event loop's: SERVE_MAX) */
     bool rmore;              /* target: the last request said more frames follow it (REQ_MORE) */
     bool tx_held;            /* target: queued answers wait for those frames (no EPOLLOUT meanwhile) */
+    bool noted;              /* target: this read queued a notification (note_done) */
+    bool owed;               /* target: the event loop sends its answers on its next turn (pay_owed) */
     uint32_t note_len;
     uint64_t note_id, note_dep;
     uint64_t refused_op;
@@ -201,6 +203,7 @@ typedef struct tcp_io {
     atomic_uint_fast64_t served_ns; /* when it last did: a loop silent for HOLD_MAX_NS gives them back */
     uint64_t given_back;            /* conns it gave back with more to read (under the agent's lock): tests */
     int back_out;                   /* of those, the ones not taken again yet (under the agent's lock) */
+    int owed;                       /* served conns the loop owes answers (pay_owed; same lock) */
 } tcp_io;
 
 /* The transport's state in an agent: a->state[HX_TRANSPORT_TCP], made when
