@@ -120,9 +120,10 @@ int hx_agent_notes_ready(hx_agent *a);
  * the caller must then drain (no ring will announce them), else 0. */
 int hx_agent_notes_quiet(hx_agent *a, int quiet);
 uint64_t hx_agent_notes_dropped(hx_agent *a);
-/* When the oldest notification the last drain_notes that took any took
- * was queued here (CLOCK_MONOTONIC ns, time.monotonic_ns()'s clock; 0: none
- * taken yet). */
+/* When the queue last went from empty to holding a notification, as of the
+ * last drain_notes that took any (CLOCK_MONOTONIC ns, time.monotonic_ns()'s
+ * clock; 0: none taken yet): the arrival of the oldest it took, or earlier
+ * when a drain before it left some. */
 uint64_t hx_agent_notes_arrived(hx_agent *a);
 void hx_agent_set_notes(hx_agent *a, uint32_t capacity);
 /* tcp: every interval_ns each connection is pinged by its native side; one

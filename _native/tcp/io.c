@@ -260,7 +260,10 @@ int tcp_conn_read(hx_agent *a, conn *c)
         return HX_OK;
     c->rx_since_flush = 0;
     if (rc >= 0 && c->target && loop_owes(c)) {
-        c->tx_held = true; /* no EPOLLOUT: the loop sends them */
+        pthread_mutex_lock(&c->lock);
+        c->tx_held = true; /* no EPOLLOUT (one armed by an earlier flush too): the loop sends them */
+        tcp_update_interest(a, c);
+        pthread_mutex_unlock(&c->lock);
         if (!c->owed) {
             c->owed = true;
             T(a)->io->owed++;
@@ -782,7 +785,8 @@ static void set_served(hx_agent *a, conn *c, bool served)
 static void pay_owed(hx_agent *a, tcp_io *io)
 {
     for (conn *c = io->conns; c && io->owed; c = c->next_all) {
-        /* Being read (a held notification retried): that read sends them. */
+        /* Being read by the I/O thread (input or output it was told of before the
+         * conn was served): that read sends them, else a later turn does. */
         if (!c->owed || pthread_mutex_trylock(&c->rx_lock) != 0)
             continue;
         c->owed = false;
