@@ -124,7 +124,10 @@ def test_bench_quick_writes_json(tmp_path):
     # Rows whose ratio is to a limit are also timed beside it, in alternating rounds.
     for name in ("loopback", "tcp"):
         side = data["transports"][name]["notify"]["4 KiB"]["beside"]
-        assert side["rounds"] >= 2 and 0 < side["put_median_us"] < side["median_us"] and side["asyncio_wake_us"] > 0
+        assert side["rounds"] >= 2 and side["put_median_us"] > 0 and side["asyncio_wake_us"] > 0
+        # Loopback's message is delivered after its put; a tcp one goes one way while its put
+        # is a round trip, and may come first (the ASan build's slow C: 155 against 213 us).
+        assert side["put_median_us"] < side["median_us"] if name == "loopback" else side["median_us"] > 0
         assert side["over_put"] == side["median_us"] / side["put_median_us"]
         if name == "tcp":  # a target process: also timed with the two loops pinned
             assert side["pinned_one_cpu_us"] > 0 and side["native_wake_one_cpu_us"] > 0
