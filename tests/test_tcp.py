@@ -31,7 +31,6 @@ from .waiting import wait_until, wait_until_sync
 TCP = ("tcp",)  # these tests are about tcp: shared memory would take over on one host
 SPACE = 256 << 20
 SEED = 21
-POLL_SKIP = 15  # tcp.h: lone ops not polled for after a poll that missed
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -602,12 +601,15 @@ async def test_a_lone_put_failing_as_its_agent_closes_raises_that():
     loop.set_exception_handler(lambda _, context: errors.append(context))
     try:
         async with _pair_to_stop() as (target, agent, peer, kv, src):
-            for _ in range(4 * (POLL_SKIP + 1)):  # until a poll reads its answer: the next is polled too
+            # Until a poll reads its answer (the next is then polled too): bounded, and long,
+            # since in a slow minute of the host's tcp most polls miss (each miss skips 15).
+            for _ in range(3000):
                 op = peer.put(kv[:4096], src[:4096])
                 polled = hooks.polled(op)
                 await op
                 if polled and hooks.ended_without_future(op):
                     break
+            assert polled and hooks.ended_without_future(op), "no poll of 3000 puts read its answer"
             target.proc.send_signal(signal.SIGSTOP)
             await _stopped(target.proc.pid)
             op = peer.put(kv[:4096], src[:4096])
