@@ -674,10 +674,23 @@ async def test_a_turning_loop_answers_a_put_with_a_message_once_the_messages_tas
     no longer comes between the message's arrival and its task. So such a put returns once
     the target's task has taken the message and done its (short) synchronous work."""
     n, work = 100, 0.0003  # under the 1 ms after which a silent loop's answers go anyway
+    seen: list[bool] = []  # at each put's return: whether its message's task had run
+    # Up to 3 rounds of 100, until one shows it: a round on a loaded machine may find the loop
+    # held up past 1 ms often (the answers then go from the I/O thread, before the task).
+    for _ in range(3):
+        seen.clear()
+        await _one_round_of_answered_notes(n, work, seen)
+        if sum(seen) >= n // 2:
+            break
+    # All but the first (the loop turns from the second on), less any read after a stall of
+    # the loop past 1 ms. Before, the answer went first: none of them.
+    assert sum(seen) >= n // 2, f"{sum(seen)} of {n} puts returned after their message's task ran"
+
+
+async def _one_round_of_answered_notes(n: int, work: float, seen: list[bool]) -> None:
     async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, notify_poll_us=300_000) as t:
         t.allocate(4096, name="kv")
         handled: list[bytes] = []
-        seen: list[bool] = []  # at each put's return: whether its message's task had run
         failed: list[BaseException] = []
 
         def sender() -> None:  # its own thread and loop: the target's work lets go of the GIL
@@ -707,9 +720,6 @@ async def test_a_turning_loop_answers_a_put_with_a_message_once_the_messages_tas
         finally:
             await asyncio.get_running_loop().run_in_executor(None, thread.join, 60)
         assert not failed, failed
-    # All but the first (the loop turns from the second on), less any read after a stall of
-    # the loop past 1 ms (a busy machine). Before, the answer went first: none of them.
-    assert sum(seen) >= n // 2, f"{sum(seen)} of {n} puts returned after their message's task ran"
 
 
 def _rung(agent: aiohixl.Agent) -> bool:
