@@ -730,6 +730,56 @@ def _rung(agent: aiohixl.Agent) -> bool:
 
 
 @not_in_vm
+async def test_a_task_waiting_in_a_turning_loop_goes_on_in_the_step_that_takes_its_message():
+    """While the loop turns for messages, a task waiting in notification() looks for its
+    message on each of its own steps: the step that takes it returns it, with no turn of the
+    loop in between (a callback that counts the loop's turns has not run again)."""
+    window = 0.3  # long: a busy machine cannot end it between two steps
+    async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, notify_poll_us=int(window * 1e6)) as t:
+        t.allocate(4096, name="kv")
+        async with aiohixl.Agent("i", token=TOKEN, transports=("shm",)) as agent:
+            peer = await agent.connect(t.address)
+            kv, src = await peer.region("kv"), agent.allocate(4096)
+            for i in range(5):  # close together: the loop turns
+                await peer.put(kv, src, notify=b"%d" % i)
+                assert (await t.notification(timeout=60)).data == b"%d" % i
+            inbox, backend = t._core.inbox, t._core.engine.backend
+            assert backend._turn_until
+            loop, turns, handed, counting = asyncio.get_running_loop(), [0], [], [True]
+
+            def count() -> None:
+                turns[0] += 1
+                if counting[0]:
+                    loop.call_soon(count)
+
+            serve = inbox._serve
+
+            def counted_serve() -> None:
+                if inbox._waiters and inbox._queue:
+                    handed.append(turns[0])
+                serve()
+
+            async def wait() -> tuple[bytes, int]:
+                note = await t.notification(timeout=60)
+                return note.data, turns[0]
+
+            loop.call_soon(count)
+            inbox._serve = counted_serve
+            try:
+                waiter = asyncio.create_task(wait())
+                await asyncio.sleep(0)  # it waits
+                assert not waiter.done()
+                await peer.put(kv, src, notify=b"looked for")
+                data, returned_at = await asyncio.wait_for(waiter, 10)
+            finally:
+                del inbox._serve
+                counting[0] = False
+            assert data == b"looked for"
+            assert backend._turn_until, "the window ended before the message came: a run too slow to tell"
+            assert handed == [returned_at], f"handed over at turn {handed}, returned at turn {returned_at}"
+
+
+@not_in_vm
 async def test_a_turning_loop_is_not_rung_and_takes_what_came_as_it_stopped():
     """While the loop turns for shm notifications it looks at the doorbells itself: a
     put(notify=) then rings nothing. After the window they are rung again; a message that
