@@ -199,6 +199,14 @@ void hx_peer_fail(hx_peer *p, int status);
  * carries none. flags: HX_OP_POLL, as for hx_peer_post (HX_POSTED_POLL: the
  * caller's hx_peer_await reads its answer, and those of the ops it follows). */
 int hx_peer_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len, int flags);
+/* A put of one piece (hx_peer_post1's scalars) and a notification of len
+ * bytes behind it as one op, op_id: it completes once the message is queued
+ * at the target, or fails as the put did (the message is then dropped). One
+ * call, and nothing held for a flush. flags: HX_OP_POLL, as for hx_peer_post.
+ * HX_E_INVAL: the transport has no such op (only tcp has). */
+int hx_peer_put_note(hx_peer *p, int flags, uint64_t op_id, uint32_t local_region, uint64_t local_off,
+                     uint32_t remote_region, uint64_t remote_off, uint64_t len, uint64_t remote_key,
+                     const uint8_t *data, uint32_t dlen);
 /* 0 while the peer works, else the status its ops now fail with. */
 int hx_peer_status(hx_peer *p);
 /* p's successful completions prove the remote end of channel alive (verbs: an

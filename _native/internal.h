@@ -80,6 +80,10 @@ typedef struct hx_peer_ops {
      * caller is about to wait for: HX_DONE_INLINE when that op succeeded on
      * this thread and no completion follows, else HX_POSTED. */
     int (*flush)(hx_peer *p, uint64_t op_id);
+    /* A put of one piece and its notification behind it as one op
+     * (hx_peer_put_note; NULL: the transport has no such op). flags: HX_OP_POLL. */
+    int (*post_note)(hx_peer *p, int flags, uint64_t op_id, const hx_sge *sge, const uint8_t *data,
+                     uint32_t len);
 } hx_peer_ops;
 
 struct hx_peer {

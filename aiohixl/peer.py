@@ -221,6 +221,11 @@ class Peer(metaclass=NoPublicConstructor):
                 if link.ordered_notes and not self._messages:
                     if not core.ordered:
                         return None
+                    if link.put_note:  # one op, nothing held: no Task, no flush
+                        waiter = engine.put_note(link.handle, rs, ls, notify, what, core)
+                        if waiter is None:
+                            return _DoneOp()
+                        return waiter if type(waiter) is _PolledOp else _Op(waiter)
                     flags, behind = engine.note_next, True
             waiter = (
                 engine.post1(link.handle, opcode | flags, rs, ls, what, core)  # Link.post_one, minus one call

@@ -83,6 +83,30 @@ int hx_peer_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, 
     return rc;
 }
 
+int hx_peer_put_note(hx_peer *p, int flags, uint64_t op_id, uint32_t local_region, uint64_t local_off,
+                     uint32_t remote_region, uint64_t remote_off, uint64_t len, uint64_t remote_key,
+                     const uint8_t *data, uint32_t dlen)
+{
+    if (atomic_load(&p->closed))
+        return HX_E_CLOSED;
+    int failed = atomic_load(&p->failed);
+    if (failed)
+        return failed;
+    if (dlen > HX_NOTE_MAX || !p->ops->post_note)
+        return HX_E_INVAL;
+    hx_sge sge = {.local_region = local_region,
+                  .remote_region = remote_region,
+                  .local_off = local_off,
+                  .remote_off = remote_off,
+                  .len = len,
+                  .remote_key = remote_key};
+    int rc = p->ops->post_note(p, flags & HX_OP_POLL, op_id, &sge, data, dlen);
+    hx_stat_post(p, &sge, 1, rc);
+    if (rc >= 0)
+        atomic_fetch_add_explicit(&p->agent->stats.notes_sent, 1, memory_order_relaxed);
+    return rc;
+}
+
 int hx_peer_await(hx_peer *p, uint64_t op_id)
 {
     if (!p->ops->flush)

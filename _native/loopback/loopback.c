@@ -22,7 +22,11 @@ static void lb_fail(hx_peer *p, int status) { hx_pool_fail_peer(p->agent, p->id,
 
 static void lb_destroy(hx_peer *p) { free(p); }
 
-static const hx_peer_ops loopback_ops = {lb_post, lb_note, lb_fail, lb_destroy, HX_TRANSPORT_LOOPBACK, NULL};
+static const hx_peer_ops loopback_ops = {.post = lb_post,
+                                         .note = lb_note,
+                                         .fail = lb_fail,
+                                         .destroy = lb_destroy,
+                                         .transport = HX_TRANSPORT_LOOPBACK};
 
 /* No state of its own: its copies run on the agent's pool. */
 const hx_transport hx_loopback_transport = {.name = "loopback"};

@@ -12,6 +12,8 @@
 #define HX_HOLD_MIN (32u * 1024u)
 #define HX_HOLD_MAX HX_INLINE_SEND
 
+static void op_discard(tcp_op *op, frame *first);
+
 hx_peer *hx_tcp_connect_fd(hx_agent *a, int fd, int *status)
 {
     conn *c = tcp_io_add(a, fd, &tcp_initiator_role, 0, status);
@@ -140,39 +142,49 @@ static int poll_answer(hx_agent *a, conn *c, uint64_t op_id, uint64_t done_at, u
     return tcp_inline_done ? HX_DONE_INLINE : HX_POSTED;
 }
 
-static int tcp_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len, int flags)
+/* The request frame of a notification (a copy of its message), part of op:
+ * delivered after the op dep (0: none) placed every byte. NULL: no memory. */
+static frame *note_frame(tcp_op *op, uint64_t dep, const uint8_t *data, uint32_t len)
 {
-    conn *c = (conn *)p;
-    tcp_op *op = calloc(1, sizeof *op);
     frame *f = calloc(1, sizeof *f);
     uint8_t *copy = len ? malloc(len) : NULL;
-    if (!op || !f || (len && !copy)) {
-        free(op);
+    if (!f || (len && !copy)) {
         free(f);
         free(copy);
-        return HX_E_NOMEM;
+        return NULL;
     }
     if (len)
         memcpy(copy, data, len);
-    op->op_id = op_id;
-    op->remaining = 1;
-    tcp_put_req(f->hdr, &(tcp_req){.op = W_NOTE, .off = dep, .len = len, .op_id = op_id});
+    tcp_put_req(f->hdr, &(tcp_req){.op = W_NOTE, .off = dep, .len = len, .op_id = op->op_id});
     f->hdrlen = REQ_SIZE;
     f->op = op;
-    f->op_id = op_id;
+    f->op_id = op->op_id;
     f->opcode = OP_NOTE;
     f->owned = copy;
     f->data = copy;
     f->datalen = len;
+    return f;
+}
+
+static int tcp_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len, int flags)
+{
+    conn *c = (conn *)p;
+    tcp_op *op = calloc(1, sizeof *op);
+    if (!op)
+        return HX_E_NOMEM;
+    op->op_id = op_id;
+    op->remaining = 1;
+    frame *f = note_frame(op, dep, data, len);
+    if (!f) {
+        free(op);
+        return HX_E_NOMEM;
+    }
     /* Polled as a lone op is: behind its put (held for it, put(notify=)) it
      * goes out with it, and the poster reads both answers. */
     bool poll = (flags & HX_OP_POLL) && !T(p->agent)->busy_ns;
     int rc = submit(p->agent, c, f, f, 1, false, NULL, poll);
-    if (rc != HX_POSTED && rc != HX_POSTED_POLL) {
-        free(copy);
-        free(f);
-        free(op);
-    }
+    if (rc != HX_POSTED && rc != HX_POSTED_POLL)
+        op_discard(op, f);
     return rc;
 }
 
@@ -269,6 +281,7 @@ static int tcp_flush(hx_peer *p, uint64_t op_id)
     pthread_mutex_lock(&c->lock);
     uint64_t done_at = 0;
     bool held = c->unsent != NULL, lone = !held && c->answered < c->queued;
+    uint64_t poll_ns = !lone ? FLUSH_POLL_NS : c->tail->opcode == OP_NOTE ? NOTE_POLL_NS : LONE_POLL_NS;
     c->poll_owed = 0; /* this thread reads now, or hands reading back below */
     if (held && c->poll_skip) {
         c->poll_skip--;     /* the last poll missed: answers take longer than that here */
@@ -288,7 +301,7 @@ static int tcp_flush(hx_peer *p, uint64_t op_id)
     pthread_mutex_unlock(&c->lock);
     if (!done_at)
         return HX_POSTED;
-    int rc = poll_answer(a, c, op_id, done_at, lone ? LONE_POLL_NS : FLUSH_POLL_NS, true);
+    int rc = poll_answer(a, c, op_id, done_at, poll_ns, true);
     /* A peer whose answers take longer (another host) is not polled for
      * again until POLL_SKIP bursts later: the wait would only cost the loop. */
     pthread_mutex_lock(&c->lock);
@@ -348,6 +361,45 @@ static void op_discard(tcp_op *op, frame *first)
     free(op);
 }
 
+/* The request frames of op's pieces, appended to first..last, their local
+ * regions held by op (made with room for n). */
+static int op_frames(hx_agent *a, tcp_op *op, int opcode, const hx_sge *sges, uint32_t n, frame **first,
+                     frame **last, int *count)
+{
+    int rc = HX_OK;
+    uint64_t frames = 0;
+    for (uint32_t i = 0; i < n; i++)
+        frames += (sges[i].len + HX_TCP_CHUNK - 1) / HX_TCP_CHUNK;
+    if (frames > 1)
+        rc = check_frames(op, opcode, op->op_id, sges, n, first, last, count);
+    for (uint32_t i = 0; i < n && rc == HX_OK; i++) {
+        uint8_t *local;
+        rc = hx_region_acquire(a, sges[i].local_region, sges[i].local_off, sges[i].len, 0, &local,
+                               &op->regions[op->nregions]);
+        if (rc == HX_OK) {
+            op->nregions++;
+            rc = piece_frames(op, opcode, &sges[i], local, first, last, count);
+        }
+    }
+    return rc;
+}
+
+/* Sends op's frames (or holds them, hold), polled (poll) or busy polled as
+ * the agent asks; discards them if they cannot be queued. */
+static int send_op(hx_agent *a, conn *c, tcp_op *op, frame *first, frame *last, int count, bool hold,
+                   bool poll)
+{
+    op->remaining = count;
+    uint64_t busy_ns = T(a)->busy_ns, done_at = 0;
+    int rc = submit(a, c, first, last, count, hold, busy_ns ? &done_at : NULL, poll && !busy_ns);
+    if (rc == HX_POSTED_HELD || rc == HX_POSTED_POLL)
+        return rc;
+    if (rc == HX_POSTED)
+        return done_at ? poll_answer(a, c, op->op_id, done_at, busy_ns, false) : HX_POSTED;
+    op_discard(op, first);
+    return rc;
+}
+
 static int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n)
 {
     conn *c = (conn *)p;
@@ -359,37 +411,46 @@ static int tcp_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, 
         return HX_E_NOMEM;
     op->op_id = op_id;
     frame *first = NULL, *last = NULL;
-    int count = 0, rc = HX_OK;
-    uint64_t frames = 0, payload = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        frames += (sges[i].len + HX_TCP_CHUNK - 1) / HX_TCP_CHUNK;
-        payload += opcode == HX_OP_PUT ? sges[i].len : 0;
+    int count = 0;
+    int rc = op_frames(a, op, opcode, sges, n, &first, &last, &count);
+    if (rc != HX_OK) {
+        op_discard(op, first);
+        return rc;
     }
-    if (frames > 1)
-        rc = check_frames(op, opcode, op_id, sges, n, &first, &last, &count);
-    for (uint32_t i = 0; i < n && rc == HX_OK; i++) {
-        uint8_t *local;
-        rc = hx_region_acquire(a, sges[i].local_region, sges[i].local_off, sges[i].len, 0, &local,
-                               &op->regions[op->nregions]);
-        if (rc == HX_OK) {
-            op->nregions++;
-            rc = piece_frames(op, opcode, &sges[i], local, &first, &last, &count);
-        }
+    uint64_t payload = 0;
+    for (uint32_t i = 0; opcode == HX_OP_PUT && i < n; i++)
+        payload += sges[i].len;
+    /* With its notification next, an op goes out in one sendmsg with it and
+     * is answered with it: one wake-up at each end, not two. */
+    hold = hold && payload <= HX_HOLD_MAX && (payload >= HX_HOLD_MIN || note_next);
+    return send_op(a, c, op, first, last, count, hold, poll);
+}
+
+/* A put and its notification as one op (hx_peer_put_note): the message's
+ * frame behind the put's, the op answered once both are; a put the target
+ * refused has the message dropped and answered with the put's failure. */
+static int tcp_post_note(hx_peer *p, int flags, uint64_t op_id, const hx_sge *sge, const uint8_t *data,
+                         uint32_t len)
+{
+    conn *c = (conn *)p;
+    hx_agent *a = p->agent;
+    tcp_op *op = calloc(1, sizeof *op + sizeof(hx_region *));
+    if (!op)
+        return HX_E_NOMEM;
+    op->op_id = op_id;
+    frame *first = NULL, *last = NULL;
+    int count = 0;
+    int rc = op_frames(a, op, HX_OP_PUT, sge, 1, &first, &last, &count);
+    frame *f = rc == HX_OK ? note_frame(op, op_id, data, len) : NULL;
+    if (!f) {
+        op_discard(op, first);
+        return rc == HX_OK ? HX_E_NOMEM : rc;
     }
-    if (rc == HX_OK) {
-        op->remaining = count;
-        uint64_t busy_ns = T(a)->busy_ns, done_at = 0;
-        /* With its notification next, an op goes out in one sendmsg with it and
-         * is answered with it: one wake-up at each end, not two. */
-        hold = hold && payload <= HX_HOLD_MAX && (payload >= HX_HOLD_MIN || note_next);
-        rc = submit(a, c, first, last, count, hold, busy_ns ? &done_at : NULL, poll && !busy_ns);
-        if (rc == HX_POSTED_HELD || rc == HX_POSTED_POLL)
-            return rc;
-        if (rc == HX_POSTED)
-            return done_at ? poll_answer(a, c, op_id, done_at, busy_ns, false) : HX_POSTED;
-    }
-    op_discard(op, first);
-    return rc;
+    if (last)
+        last->next = f;
+    else
+        first = f;
+    return send_op(a, c, op, first, f, count + 1, false, flags & HX_OP_POLL);
 }
 
 static int sanitize_remote_status(int32_t s)
@@ -465,6 +526,7 @@ static int payload_done(hx_agent *a, conn *c)
 
 static const hx_peer_ops tcp_ops = {.post = tcp_post,
                                     .note = tcp_note,
+                                    .post_note = tcp_post_note,
                                     .flush = tcp_flush,
                                     .fail = tcp_peer_fail,
                                     .destroy = tcp_peer_destroy,

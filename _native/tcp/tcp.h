@@ -25,7 +25,8 @@
 #define MORE_BATCH (1024u * 1024u)  /* the same while the initiator says more frames follow (REQ_MORE) */
 #define FLUSH_POLL_NS 30000         /* hx_peer_flush: how long it reads for the burst's answers */
 #define LONE_POLL_NS 50000          /* hx_peer_flush after HX_POSTED_POLL: how long it reads for the answer */
-#define POLL_SKIP 15                /* bursts (lone ops) not polled for after a poll that missed */
+#define NOTE_POLL_NS 100000 /* the same for one that ends with a notification (answered after its task) */
+#define POLL_SKIP 15        /* bursts (lone ops) not polled for after a poll that missed */
 
 enum { W_PUT = 1, W_GET = 2, W_CHECK = 3, W_NOTE = 4, W_PING = 5 };
 /* W_CHECK: sent before the frames of an op of more than one frame. Its

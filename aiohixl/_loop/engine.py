@@ -28,6 +28,7 @@ _await = lib.hx_peer_await
 _HOLD = lib.HX_OP_HOLD
 _POLL = lib.HX_OP_POLL
 _post_note = lib.hx_peer_note
+_put_note = lib.hx_peer_put_note
 _BUSY = lib.HX_E_BUSY
 
 __all__ = ["Engine"]
@@ -242,6 +243,24 @@ class Engine:
         if rc == 2:
             self._held.append((handle, op_id))
         ops[op_id] = (waiter, (region,), what, owner)  # _track's record, written out: the hot path
+        return waiter
+
+    def put_note(self, handle: Any, rs: RemoteSlice, ls: RegionSlice, data: bytes, what: str, owner: OpOwner) -> Any:
+        """post1() of a put and post_note() of its message behind it, as one op (a tcp
+        link's): its waiter, or None when it ended inline. Nothing is held for a flush."""
+        rr, region = rs.region, ls.region
+        op_id = self.last_op_id = self._next_id
+        self._next_id = op_id + 1
+        rc = _put_note(
+            handle, self._poll, op_id, region.id, ls.offset, rr.id, rs.offset, rs.nbytes, rr.key, data, len(data)
+        )
+        if rc == 1:  # HX_DONE_INLINE
+            self.completed += 1
+            return None
+        if rc < 0:
+            raise status_error(rc, what)
+        waiter = PolledOp(self, handle, op_id) if rc == 3 else self.backend.new_waiter()  # type: ignore[union-attr]
+        self._ops[op_id] = (waiter, (region,), what, owner)
         return waiter
 
     def _flush_first(self, first: HeldOpFuture) -> None:

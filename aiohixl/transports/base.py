@@ -197,6 +197,8 @@ class Link:
     ordered_notes: ClassVar[bool] = False
     # post_one is Link's own (Peer's fast path calls Engine.post1 itself), not a transport's override.
     plain_post: ClassVar[bool] = True
+    # A put and its message behind it go as one native op (Engine.put_note).
+    put_note: ClassVar[bool] = False
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle

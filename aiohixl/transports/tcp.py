@@ -23,6 +23,7 @@ class TcpLink(Link):
     reaches_all = True
     is_channel = True
     ordered_notes = True
+    put_note = True
     name = "tcp"
 
 
