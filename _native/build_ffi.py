@@ -27,6 +27,9 @@ HAVE_VERBS = os.path.exists("/usr/include/infiniband/verbs.h") and os.environ.ge
 # late for a file that includes a system header first).
 DEFINE_MACROS = [("_GNU_SOURCE", None)] + ([("HX_HAVE_VERBS", "1")] if HAVE_VERBS else [])
 INCLUDE_DIRS = [os.path.relpath(HERE)]
+# A header changed rebuilds the module: build_ext looks only at what it is told of, and a
+# struct laid out anew in a header alone left objects that disagreed on it (a crash).
+HEADERS = sorted(os.path.relpath(h) for h in glob.glob(os.path.join(HERE, "**", "*.h"), recursive=True))
 # Portable code only: the Soft-RoCE VM and users' CPUs may lack AVX-512.
 # Hidden visibility: the module exports PyInit__hixl alone (cffi marks it),
 # not the hx_* symbols its files share with each other.
@@ -52,6 +55,7 @@ ffibuilder.set_source(
     "aiohixl._hixl",
     '#include "hixl.h"',
     sources=[os.path.relpath(s) for s in SOURCES],
+    depends=HEADERS,
     include_dirs=INCLUDE_DIRS,
     extra_compile_args=["-O1" if SANITIZE else "-O2"] + COMPILE_ARGS + (SANITIZE_FLAGS if SANITIZE else []),
     extra_link_args=SANITIZE_FLAGS if SANITIZE else [],
