@@ -281,7 +281,10 @@ static int tcp_flush(hx_peer *p, uint64_t op_id)
     pthread_mutex_lock(&c->lock);
     uint64_t done_at = 0;
     bool held = c->unsent != NULL, lone = !held && c->answered < c->queued;
-    uint64_t poll_ns = !lone ? FLUSH_POLL_NS : c->tail->opcode == OP_NOTE ? NOTE_POLL_NS : LONE_POLL_NS;
+    /* A broken conn has let go of its frames (tail NULL) but not of its counts. */
+    uint64_t poll_ns = !lone                                   ? FLUSH_POLL_NS
+                       : c->tail && c->tail->opcode == OP_NOTE ? NOTE_POLL_NS
+                                                               : LONE_POLL_NS;
     c->poll_owed = 0; /* this thread reads now, or hands reading back below */
     if (held && c->poll_skip) {
         c->poll_skip--;     /* the last poll missed: answers take longer than that here */
