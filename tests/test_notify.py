@@ -732,54 +732,62 @@ def _rung(agent: aiohixl.Agent) -> bool:
     return bool(select.select([agent._core.engine.fd], [], [], 0)[0])
 
 
+@contextlib.asynccontextmanager
+async def _a_turning_shm_target(window: float) -> AsyncIterator[tuple[aiohixl.Agent, Any, Any, Any]]:
+    """(target, peer, its region, source) over shm, the target's loop turning for messages
+    (``window``: its notify_poll_us, in seconds) after 5 put(notify=) close together."""
+    async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, notify_poll_us=int(window * 1e6)) as t:
+        t.allocate(4096, name="kv")
+        async with aiohixl.Agent("i", token=TOKEN, transports=("shm",)) as agent:
+            peer = await agent.connect(t.address)
+            kv, src = await peer.region("kv"), agent.allocate(4096)
+            for i in range(5):
+                await peer.put(kv, src, notify=b"%d" % i)
+                assert (await t.notification(timeout=60)).data == b"%d" % i
+            yield t, peer, kv, src
+
+
 @not_in_vm
 async def test_a_task_waiting_in_a_turning_loop_goes_on_in_the_step_that_takes_its_message():
     """While the loop turns for messages, a task waiting in notification() looks for its
     message on each of its own steps: the step that takes it returns it, with no turn of the
     loop in between (a callback that counts the loop's turns has not run again)."""
     window = 0.3  # long: a busy machine cannot end it between two steps
-    async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, notify_poll_us=int(window * 1e6)) as t:
-        t.allocate(4096, name="kv")
-        async with aiohixl.Agent("i", token=TOKEN, transports=("shm",)) as agent:
-            peer = await agent.connect(t.address)
-            kv, src = await peer.region("kv"), agent.allocate(4096)
-            for i in range(5):  # close together: the loop turns
-                await peer.put(kv, src, notify=b"%d" % i)
-                assert (await t.notification(timeout=60)).data == b"%d" % i
-            inbox, backend = t._core.inbox, t._core.engine.backend
-            assert backend._turn_until
-            loop, turns, handed, counting = asyncio.get_running_loop(), [0], [], [True]
+    async with _a_turning_shm_target(window) as (t, peer, kv, src):
+        inbox, backend = t._core.inbox, t._core.engine.backend
+        assert backend._turn_until
+        loop, turns, handed, counting = asyncio.get_running_loop(), [0], [], [True]
 
-            def count() -> None:
-                turns[0] += 1
-                if counting[0]:
-                    loop.call_soon(count)
+        def count() -> None:
+            turns[0] += 1
+            if counting[0]:
+                loop.call_soon(count)
 
-            serve = inbox._serve
+        serve = inbox._serve
 
-            def counted_serve() -> None:
-                if inbox._waiters and inbox._queue:
-                    handed.append(turns[0])
-                serve()
+        def counted_serve() -> None:
+            if inbox._waiters and inbox._queue:
+                handed.append(turns[0])
+            serve()
 
-            async def wait() -> tuple[bytes, int]:
-                note = await t.notification(timeout=60)
-                return note.data, turns[0]
+        async def wait() -> tuple[bytes, int]:
+            note = await t.notification(timeout=60)
+            return note.data, turns[0]
 
-            loop.call_soon(count)
-            inbox._serve = counted_serve
-            try:
-                waiter = asyncio.create_task(wait())
-                await asyncio.sleep(0)  # it waits
-                assert not waiter.done()
-                await peer.put(kv, src, notify=b"looked for")
-                data, returned_at = await asyncio.wait_for(waiter, 10)
-            finally:
-                del inbox._serve
-                counting[0] = False
-            assert data == b"looked for"
-            assert backend._turn_until, "the window ended before the message came: a run too slow to tell"
-            assert handed == [returned_at], f"handed over at turn {handed}, returned at turn {returned_at}"
+        loop.call_soon(count)
+        inbox._serve = counted_serve
+        try:
+            waiter = asyncio.create_task(wait())
+            await asyncio.sleep(0)  # it waits
+            assert not waiter.done()
+            await peer.put(kv, src, notify=b"looked for")
+            data, returned_at = await asyncio.wait_for(waiter, 10)
+        finally:
+            del inbox._serve
+            counting[0] = False
+        assert data == b"looked for"
+        assert backend._turn_until, "the window ended before the message came: a run too slow to tell"
+        assert handed == [returned_at], f"handed over at turn {handed}, returned at turn {returned_at}"
 
 
 @not_in_vm
@@ -788,30 +796,23 @@ async def test_a_turning_loop_is_not_rung_and_takes_what_came_as_it_stopped():
     put(notify=) then rings nothing. After the window they are rung again; a message that
     came during the last turn, which no wake-up announces, is taken then."""
     window = 0.3  # long: a busy machine cannot end it between two steps
-    async with aiohixl.Agent("t", listen="127.0.0.1:0", token=TOKEN, notify_poll_us=int(window * 1e6)) as t:
-        t.allocate(4096, name="kv")
-        async with aiohixl.Agent("i", token=TOKEN, transports=("shm",)) as agent:
-            peer = await agent.connect(t.address)
-            kv, src = await peer.region("kv"), agent.allocate(4096)
-            for i in range(5):  # close together: the loop turns
-                await peer.put(kv, src, notify=b"%d" % i)
-                assert (await t.notification(timeout=60)).data == b"%d" % i
-            backend = t._core.engine.backend
-            assert backend._turn_until
-            await peer.put(kv, src, notify=b"quiet")  # ends here: no turn of the loop since
-            assert not _rung(t)
-            assert (await t.notification(timeout=60)).data == b"quiet"
+    async with _a_turning_shm_target(window) as (t, peer, kv, src):
+        backend = t._core.engine.backend
+        assert backend._turn_until
+        await peer.put(kv, src, notify=b"quiet")  # ends here: no turn of the loop since
+        assert not _rung(t)
+        assert (await t.notification(timeout=60)).data == b"quiet"
 
-            waiter = asyncio.create_task(t.notification(timeout=60))
-            await asyncio.sleep(0)  # it waits
-            await peer.put(kv, src, notify=b"last")
-            time.sleep(2 * window)  # the loop's next turn is its last: past the window
-            assert (await asyncio.wait_for(waiter, 10)).data == b"last"
-            await wait_until(lambda: not backend._turn_until)
+        waiter = asyncio.create_task(t.notification(timeout=60))
+        await asyncio.sleep(0)  # it waits
+        await peer.put(kv, src, notify=b"last")
+        time.sleep(2 * window)  # the loop's next turn is its last: past the window
+        assert (await asyncio.wait_for(waiter, 10)).data == b"last"
+        await wait_until(lambda: not backend._turn_until)
 
-            await peer.put(kv, src, notify=b"rung")
-            assert _rung(t)
-            assert (await t.notification(timeout=60)).data == b"rung"
+        await peer.put(kv, src, notify=b"rung")
+        assert _rung(t)
+        assert (await t.notification(timeout=60)).data == b"rung"
 
 
 async def _served_by_the_loop(t: aiohixl.Agent, peer, kv, src, tag: bytes) -> None:

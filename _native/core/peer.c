@@ -39,13 +39,36 @@ void hx_stat_post(hx_peer *p, const hx_sge *sges, uint32_t n, int rc)
     atomic_fetch_add_explicit(&p->agent->stats.bytes[t], bytes, memory_order_relaxed);
 }
 
-int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n)
+/* 0 while p takes ops, else the status a post fails with. */
+static int peer_refuses(hx_peer *p)
 {
     if (atomic_load(&p->closed))
         return HX_E_CLOSED;
-    int failed = atomic_load(&p->failed);
-    if (failed)
-        return failed;
+    return atomic_load(&p->failed);
+}
+
+static hx_sge one_sge(uint32_t local_region, uint64_t local_off, uint32_t remote_region, uint64_t remote_off,
+                      uint64_t len, uint64_t remote_key)
+{
+    return (hx_sge){.local_region = local_region,
+                    .remote_region = remote_region,
+                    .local_off = local_off,
+                    .remote_off = remote_off,
+                    .len = len,
+                    .remote_key = remote_key};
+}
+
+static void count_note(hx_peer *p, int rc)
+{
+    if (rc >= 0)
+        atomic_fetch_add_explicit(&p->agent->stats.notes_sent, 1, memory_order_relaxed);
+}
+
+int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uint32_t n)
+{
+    int refused = peer_refuses(p);
+    if (refused)
+        return refused;
     int op = opcode & ~(HX_OP_HOLD | HX_OP_NOTE_NEXT | HX_OP_POLL);
     if (op != HX_OP_PUT && op != HX_OP_GET)
         return HX_E_INVAL;
@@ -59,27 +82,19 @@ int hx_peer_post(hx_peer *p, int opcode, uint64_t op_id, const hx_sge *sges, uin
 int hx_peer_post1(hx_peer *p, int opcode, uint64_t op_id, uint32_t local_region, uint64_t local_off,
                   uint32_t remote_region, uint64_t remote_off, uint64_t len, uint64_t remote_key)
 {
-    hx_sge sge = {.local_region = local_region,
-                  .remote_region = remote_region,
-                  .local_off = local_off,
-                  .remote_off = remote_off,
-                  .len = len,
-                  .remote_key = remote_key};
+    hx_sge sge = one_sge(local_region, local_off, remote_region, remote_off, len, remote_key);
     return hx_peer_post(p, opcode, op_id, &sge, 1);
 }
 
 int hx_peer_note(hx_peer *p, uint64_t op_id, uint64_t dep, const uint8_t *data, uint32_t len, int flags)
 {
-    if (atomic_load(&p->closed))
-        return HX_E_CLOSED;
-    int failed = atomic_load(&p->failed);
-    if (failed)
-        return failed;
+    int refused = peer_refuses(p);
+    if (refused)
+        return refused;
     if (len > HX_NOTE_MAX || !p->ops->note)
         return HX_E_INVAL;
     int rc = p->ops->note(p, op_id, dep, data, len, flags);
-    if (rc >= 0)
-        atomic_fetch_add_explicit(&p->agent->stats.notes_sent, 1, memory_order_relaxed);
+    count_note(p, rc);
     return rc;
 }
 
@@ -87,23 +102,15 @@ int hx_peer_put_note(hx_peer *p, int flags, uint64_t op_id, uint32_t local_regio
                      uint32_t remote_region, uint64_t remote_off, uint64_t len, uint64_t remote_key,
                      const uint8_t *data, uint32_t dlen)
 {
-    if (atomic_load(&p->closed))
-        return HX_E_CLOSED;
-    int failed = atomic_load(&p->failed);
-    if (failed)
-        return failed;
+    int refused = peer_refuses(p);
+    if (refused)
+        return refused;
     if (dlen > HX_NOTE_MAX || !p->ops->post_note)
         return HX_E_INVAL;
-    hx_sge sge = {.local_region = local_region,
-                  .remote_region = remote_region,
-                  .local_off = local_off,
-                  .remote_off = remote_off,
-                  .len = len,
-                  .remote_key = remote_key};
+    hx_sge sge = one_sge(local_region, local_off, remote_region, remote_off, len, remote_key);
     int rc = p->ops->post_note(p, flags & HX_OP_POLL, op_id, &sge, data, dlen);
     hx_stat_post(p, &sge, 1, rc);
-    if (rc >= 0)
-        atomic_fetch_add_explicit(&p->agent->stats.notes_sent, 1, memory_order_relaxed);
+    count_note(p, rc);
     return rc;
 }
 
