@@ -257,11 +257,7 @@ class Engine:
         if rc == 1:  # HX_DONE_INLINE
             self.completed += 1
             return None
-        if rc < 0:
-            raise status_error(rc, what)
-        waiter = PolledOp(self, handle, op_id) if rc == 3 else self.backend.new_waiter()  # type: ignore[union-attr]
-        self._ops[op_id] = (waiter, (region,), what, owner)
-        return waiter
+        return self._track(op_id, rc, (region,), what, owner, handle)
 
     def _flush_first(self, first: HeldOpFuture) -> None:
         """The burst's first op got a waiter (gather, a Task): send the burst now. Not while
