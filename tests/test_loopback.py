@@ -18,6 +18,7 @@ from aiohixl import _testing as hooks
 from aiohixl.remote import RemoteRegion
 
 from .conftest import random_bytes
+from .waiting import wait_until
 
 SPACE = 72 << 20  # room for 64 MiB ops at random offsets
 MARK = 0xEE
@@ -322,6 +323,73 @@ async def test_idle_agent_does_not_spin():
         await asyncio.sleep(2.0)
         used = time.process_time() - start
     assert used < 0.02 * 2.0, f"idle agent used {used:.3f} s of CPU in 2 s"
+
+
+def _copy_threads() -> dict[str, set[int]]:
+    """This process's copy threads and the CPUs each may run on."""
+    found = {}
+    for task in os.scandir("/proc/self/task"):
+        try:
+            with open(f"{task.path}/comm") as f:
+                if f.read().strip() != "hixl-copy":
+                    continue
+            with open(f"{task.path}/status") as f:
+                allowed = next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list"))
+        except OSError:
+            continue  # the thread ended meanwhile
+        cpus: set[int] = set()
+        for part in allowed.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        found[task.name] = cpus
+    return found
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nothing to spread over")
+async def test_copy_threads_as_many_as_the_cpus_own_one_each_and_follow_the_posting_threads_cpus():
+    """Woken together, two copy threads could be queued on one CPU while another idled, and
+    copy a large put one after the other (docs/shm.md): when the threads and the posting
+    thread are at least as many as its CPUs, each thread owns one, and a change of the posting
+    thread's CPUs moves them at its next large op."""
+    cpus = os.sched_getaffinity(0)
+    before = set(_copy_threads())
+    size = 16 << 20  # shared by the pool: its threads take tasks
+    try:
+        async with aiohixl.Agent(copy_threads=min(len(cpus), 64)) as agent:
+            mine = set(_copy_threads()) - before
+
+            def placed() -> list[set[int]]:
+                now = _copy_threads()
+                return [now[tid] for tid in mine if tid in now]
+
+            def one_each(among: set[int]) -> bool:
+                got = placed()
+                return all(len(c) == 1 for c in got) and set().union(*got) == among
+
+            await wait_until(lambda: one_each(cpus), what=f"one CPU each of {sorted(cpus)}: {placed()}")
+            dst = agent.allocate(size, name="dst")
+            peer = agent.loopback()
+            remote, local = await peer.region("dst"), agent.allocate(size)
+            local.memory[:] = b"\x5a" * size
+            last = max(cpus)
+            os.sched_setaffinity(0, {last})  # this thread's CPUs: the one posting
+            await peer.put(remote, local)
+            await wait_until(lambda: one_each({last}), what=f"all on CPU {last}: {placed()}")
+            os.sched_setaffinity(0, cpus)
+            await peer.put(remote, local)
+            await wait_until(lambda: one_each(cpus), what=f"one CPU each of {sorted(cpus)} again: {placed()}")
+            assert bytes(dst.memory[-4:]) == b"\x5a" * 4
+    finally:
+        os.sched_setaffinity(0, cpus)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 3, reason="fewer than 3 CPUs: one thread and the caller cover them")
+async def test_copy_threads_fewer_than_the_cpus_may_run_on_any_of_them():
+    cpus = os.sched_getaffinity(0)
+    before = set(_copy_threads())
+    async with aiohixl.Agent(copy_threads=1):
+        mine = set(_copy_threads()) - before
+        assert [c for tid, c in _copy_threads().items() if tid in mine] == [cpus]
 
 
 async def test_calls_that_change_the_agent_are_refused_from_another_thread(agent):

@@ -31,13 +31,67 @@ static void finish_task(hx_agent *a, hx_task *t, int status)
     }
 }
 
+/* Where a thread runs. When the pool's threads and the posting thread are at
+ * least as many as the CPUs that thread may use, each pool thread owns one of
+ * them: woken together while the posting thread held one CPU, two threads
+ * were queued on the other, and Linux does not move a queued thread to a CPU
+ * that goes idle for less than sched_migration_cost (0.5 ms: newidle
+ * balance), so one thread copied all of a 16 MiB put, 1.65x as long
+ * (docs/shm.md). With fewer threads than CPUs, idle CPUs are there to wake
+ * them on: they keep the whole set. Advice only: refused, the thread runs
+ * where it did. */
+static void place(uint32_t index, uint32_t nthreads, const cpu_set_t *cpus)
+{
+    int n = CPU_COUNT(cpus);
+    if (n == 0)
+        return;
+    cpu_set_t one;
+    const cpu_set_t *use = cpus;
+    if ((int)nthreads + 1 >= n) {
+        int want = (int)(index % (uint32_t)n), seen = 0;
+        CPU_ZERO(&one);
+        for (int c = 0; c < CPU_SETSIZE; c++) {
+            if (CPU_ISSET(c, cpus) && seen++ == want) {
+                CPU_SET(c, &one);
+                break;
+            }
+        }
+        use = &one;
+    }
+    pthread_setaffinity_np(pthread_self(), sizeof *use, use);
+}
+
+/* Under pool_lock: the CPUs to place this thread on when they changed since
+ * *gen, else NULL. */
+static const cpu_set_t *moved(hx_agent *a, uint32_t *gen, cpu_set_t *out, uint32_t *nthreads)
+{
+    if (*gen == a->cpus_gen)
+        return NULL;
+    *gen = a->cpus_gen;
+    *out = a->cpus;
+    *nthreads = a->nthreads;
+    return out;
+}
+
 static void *pool_main(void *arg)
 {
     hx_agent *a = arg;
+    cpu_set_t cpus;
+    uint32_t gen = 0, nthreads;
     pthread_mutex_lock(&a->pool_lock);
+    uint32_t index = a->started++;
     for (;;) {
-        while (!a->task_head && !a->closing)
+        const cpu_set_t *to = moved(a, &gen, &cpus, &nthreads);
+        if (to) {
+            pthread_mutex_unlock(&a->pool_lock);
+            place(index, nthreads, to);
+            pthread_mutex_lock(&a->pool_lock);
+            continue;
+        }
+        if (!a->task_head && !a->closing) {
             pthread_cond_wait(&a->pool_work, &a->pool_lock);
+            continue;
+        }
         hx_task *t = a->task_head;
         if (!t)
             break; /* closing and nothing queued */
@@ -45,7 +99,16 @@ static void *pool_main(void *arg)
         if (!a->task_head)
             a->task_tail = NULL;
         bool closing = a->closing;
+        /* A populate starts threads that inherit this one's CPUs: all of them,
+         * then this thread is placed anew. */
+        bool widen = t->opcode == HX_TASK_POPULATE && gen;
+        if (widen) {
+            cpus = a->cpus;
+            gen = 0;
+        }
         pthread_mutex_unlock(&a->pool_lock);
+        if (widen)
+            pthread_setaffinity_np(pthread_self(), sizeof cpus, &cpus);
         if (closing)
             finish_task(a, t, HX_E_CLOSED);
         else
@@ -58,14 +121,20 @@ static void *pool_main(void *arg)
 
 int hx_pool_start(hx_agent *a, uint32_t n)
 {
+    pthread_mutex_lock(&a->pool_lock);
+    if (sched_getaffinity(0, sizeof a->cpus, &a->cpus) == 0)
+        a->cpus_gen = 1; /* else unknown: the threads stay where they start */
+    a->nthreads = n;
+    pthread_mutex_unlock(&a->pool_lock);
     for (uint32_t i = 0; i < n; i++) {
         if (pthread_create(&a->threads[i], NULL, pool_main, a) != 0) {
+            pthread_mutex_lock(&a->pool_lock);
             a->nthreads = i;
+            pthread_mutex_unlock(&a->pool_lock);
             return HX_E_SYS;
         }
         pthread_setname_np(a->threads[i], "hixl-copy"); /* top -H, perf: which thread is which */
     }
-    a->nthreads = n;
     return HX_OK;
 }
 
@@ -126,7 +195,14 @@ int hx_prefault_post(hx_agent *a, uint64_t op_id, void *addr, uint64_t len, int 
 
 void hx_pool_submit(hx_agent *a, hx_task *first, hx_task *last)
 {
+    /* The posting thread's CPUs, which the application may have changed since. */
+    cpu_set_t cpus;
+    bool known = sched_getaffinity(0, sizeof cpus, &cpus) == 0;
     pthread_mutex_lock(&a->pool_lock);
+    if (known && !CPU_EQUAL(&cpus, &a->cpus)) {
+        a->cpus = cpus;
+        a->cpus_gen++;
+    }
     if (a->task_tail)
         a->task_tail->next = first;
     else
