@@ -100,6 +100,10 @@ def test_bench_quick_writes_json(tmp_path):
     # The copy engine streams from 4 MiB: so is its limit timed, single and threaded.
     assert set(b["stream_gbps"]) == set(b["stream_threaded_gbps"]) == {"16 MiB"}
     assert b["stream_gbps"]["16 MiB"] > 0 and b["stream_threaded_gbps"]["16 MiB"] > 0
+    # ... and between memfd mappings, the pages a put between allocated regions copies.
+    assert set(b["stream_memfd_threaded_gbps"]) == {"16 MiB"} and b["stream_memfd_threaded_gbps"]["16 MiB"] > 0
+    assert "between memfd mappings" in proc.stdout
+    assert b["shmem_enabled"] in ("always", "within_size", "advise", "never", "deny", "force", None)
     assert set(b["process_vm_writev_gbps"]) == sizes
     if "process_vm_writev 64 KiB" in b["errors"]:  # ptrace refused here: said, not measured
         assert b["process_vm_writev_gbps"]["64 KiB"] is None
@@ -168,6 +172,8 @@ def test_bench_quick_writes_json(tmp_path):
     for name, t in data["transports"].items():
         for size, row in t["bandwidth"].items():
             assert isinstance(row["limit"]["above_limit"], bool)
+            if name in ("loopback", "shm") and size == "16 MiB":  # and the put's own pages' copy
+                assert row["limit"]["memfd_one_ratio"] > 0
             if name == "tcp":
                 assert row["limit"]["baseline"] == "tcp_stream_gbps"
             elif size == "16 MiB":  # shared by the copy threads: the faster of threaded and single

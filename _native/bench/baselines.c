@@ -69,6 +69,26 @@ static void *map_buf(uint64_t size, int fill)
     return a;
 }
 
+/* The same from a memfd (MAP_SHARED): its pages are shmem's. */
+static void *map_memfd(uint64_t size, int fill)
+{
+    uint64_t len = map_len(size);
+    int fd = memfd_create("aiohixl-bench", MFD_CLOEXEC);
+    if (fd < 0)
+        return NULL;
+    void *p = ftruncate(fd, (off_t)len) == 0 ? mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                                             : MAP_FAILED;
+    int e = errno;
+    close(fd); /* the mapping keeps the file */
+    if (p == MAP_FAILED) {
+        errno = e;
+        return NULL;
+    }
+    madvise(p, len, MADV_HUGEPAGE); /* advice: refused where shmem_enabled says never */
+    memset(p, fill, len);
+    return p;
+}
+
 static void unmap_buf(void *p, uint64_t size)
 {
     if (p)
@@ -390,11 +410,13 @@ static int copy_run(copier *c, double seconds, hb_copy_result *out)
     return 0;
 }
 
-int hb_memcpy(uint64_t size, int threads, uint64_t min_piece, int stream, double seconds, hb_copy_result *out)
+int hb_memcpy(uint64_t size, int threads, uint64_t min_piece, int stream, int memfd, double seconds,
+              hb_copy_result *out)
 {
     memset(out, 0, sizeof *out);
     copier c = {.kind = stream ? KIND_STREAM : KIND_MEMCPY, .size = size};
-    uint8_t *src = map_buf(size, 0x5a), *dst = map_buf(size, 0);
+    void *(*map)(uint64_t, int) = memfd ? map_memfd : map_buf;
+    uint8_t *src = map(size, 0x5a), *dst = map(size, 0);
     int rc = -1;
     if (!src || !dst) {
         out->err = errno;

@@ -52,8 +52,11 @@ typedef struct {
  * meet at a barrier after every copy, as a put completes when its last
  * piece does. stream: copy with the copy engine's streaming stores
  * (hx_copy_stream, its way for ops of HX_STREAM_MIN and more) instead of
- * glibc's memcpy, which streams only a single call above its own threshold. */
-int hb_memcpy(uint64_t size, int threads, uint64_t min_piece, int stream, double seconds,
+ * glibc's memcpy, which streams only a single call above its own threshold.
+ * memfd: both buffers are mappings of memfds instead, huge pages asked for
+ * (MADV_HUGEPAGE) as aiohixl's allocate() asks: the pages a put between
+ * allocated regions copies, small ones where shmem_enabled gives no huge. */
+int hb_memcpy(uint64_t size, int threads, uint64_t min_piece, int stream, int memfd, double seconds,
               hb_copy_result *out);
 
 /* The same, with process_vm_writev into a buffer of a forked child. */

@@ -100,15 +100,26 @@ def _error(res: Any, ffi: Any, what: str) -> str:
     return f"{what}: {where}: {os.strerror(res.err) if res.err else 'failed'}"
 
 
-def copy_gbps(kind: str, size: int, threads: int, seconds: float) -> tuple[float, float]:
+def shmem_thp() -> str | None:
+    """The kernel's huge-page policy for shmem (memfds): its chosen word, None where unreadable."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            words = f.read().split()
+    except OSError:
+        return None
+    return next((w.strip("[]") for w in words if w.startswith("[")), None)
+
+
+def copy_gbps(kind: str, size: int, threads: int, seconds: float, memfd: bool = False) -> tuple[float, float]:
     """(fastest, median) batch rate. kind: "memcpy", "stream" (the copy engine's
-    streaming copy) or "process_vm_writev"; threads=1 copies on one thread."""
+    streaming copy) or "process_vm_writev"; threads=1 copies on one thread. memfd: between
+    memfd mappings (an allocated region's pages), not anonymous memory with huge pages."""
     m = _native()
     res = m.ffi.new("hb_copy_result *")
     if kind == "process_vm_writev":
         rc = m.lib.hb_process_vm_writev(size, threads, COPY_PIECE_MIN, seconds, res)
     else:
-        rc = m.lib.hb_memcpy(size, threads, COPY_PIECE_MIN, int(kind == "stream"), seconds, res)
+        rc = m.lib.hb_memcpy(size, threads, COPY_PIECE_MIN, int(kind == "stream"), int(memfd), seconds, res)
     if rc != 0:
         raise OSError(res.err, _error(res, m.ffi, kind))
     return res.best_gbps, res.gbps
@@ -244,6 +255,8 @@ def measure(
         "memcpy_threaded_gbps": {},
         "stream_gbps": {},
         "stream_threaded_gbps": {},
+        "stream_memfd_threaded_gbps": {},
+        "shmem_enabled": shmem_thp(),
         "process_vm_writev_gbps": {},
         "process_vm_writev_threaded_gbps": {},
         "medians": {},
@@ -276,6 +289,13 @@ def measure(
                     f"{kind} threaded {label}",
                     functools.partial(copy_gbps, kind, size, COPY_THREADS, copy_seconds),
                 )
+                if kind == "stream":  # the put's own pages: what the limit's huge pages are worth
+                    copies(
+                        "stream_memfd_threaded_gbps",
+                        label,
+                        f"stream memfd threaded {label}",
+                        functools.partial(copy_gbps, kind, size, COPY_THREADS, copy_seconds, True),
+                    )
             step(f"{kind} {label}")
     # iperf3 right after the blocking stream it is compared with: a busy
     # machine drifts.
@@ -324,6 +344,7 @@ COPY_KEYS = (
     "memcpy_threaded_gbps",
     "stream_gbps",
     "stream_threaded_gbps",
+    "stream_memfd_threaded_gbps",
     "process_vm_writev_gbps",
     "process_vm_writev_threaded_gbps",
 )
@@ -337,7 +358,8 @@ def combine(passes: list[dict[str, Any]]) -> dict[str, Any]:
     compared with the blocking stream run beside it."""
     first = passes[0]
     out: dict[str, Any] = {
-        k: first[k] for k in ("native", "copy_threads", "copy_piece_min", "tcp_rtt_request_bytes", "iperf3")
+        k: first.get(k)
+        for k in ("native", "copy_threads", "copy_piece_min", "tcp_rtt_request_bytes", "iperf3", "shmem_enabled")
     }
     for key in COPY_KEYS:
         labels = dict.fromkeys(label for p in passes for label in p[key])
@@ -390,6 +412,7 @@ LIMIT_NAMES = {
     "memcpy_threaded_gbps": "memcpy x{t}",
     "stream_gbps": "streamed copy",
     "stream_threaded_gbps": "streamed copy x{t}",
+    "stream_memfd_threaded_gbps": "streamed copy x{t} between memfds",
     "process_vm_writev_gbps": "process_vm_writev",
     "process_vm_writev_threaded_gbps": "process_vm_writev x{t}",
     "tcp_stream_gbps": "tcp stream",

@@ -151,6 +151,12 @@ def annotate(r: Results) -> int:
                 "inflight_ratio": many,
                 "above_limit": above,
             }
+            # Between allocated regions the put copies memfd pages: the same streamed copy
+            # between memfds parts the limit's memory (anonymous, huge pages) from the engine.
+            same = b.get("stream_memfd_threaded_gbps", {}).get(size)
+            if same and t["path"] in ("loopback", "shm-memfd"):
+                row["limit"]["memfd_gbps"] = same
+                row["limit"]["memfd_one_ratio"] = row["one_gbps"] / same
         lat = t["latency"].get(f"put {fmt_size(baselines.RTT_REQUEST)}")
         rtt = baselines.rtt_limit_us(b)
         if t["path"] == "tcp" and lat and rtt:
@@ -205,6 +211,13 @@ def render_baselines(b: dict[str, Any]) -> list[str]:
         f" >= {b['copy_piece_min'] // MiB} MiB a share; - : one share, as above; streamed: the copy engine's"
         " streaming stores, its way from 4 MiB in one address space)"
     )
+    memfd = b.get("stream_memfd_threaded_gbps") or {}
+    if any(memfd.values()):
+        lines.append(
+            f"  streamed x{t} between memfd mappings (an allocate()d region's pages, huge ones asked for"
+            f" as it asks; shmem_enabled: {b.get('shmem_enabled') or 'unknown'}): "
+            + ", ".join(f"{size} {v:.2f}" for size, v in memfd.items() if v)
+        )
     for how, v in b["tcp_stream"].items():
         label = f"  tcp stream, 2 processes, {how}" + (f", {fmt_size(v['write_bytes'])} writes:" if v else ":")
         lines.append(
@@ -417,6 +430,11 @@ def _bandwidth(t: dict[str, Any], b: dict[str, Any]) -> tuple[list[str], int]:
             f"  {size:>7}        {v['one_gbps']:6.2f} GB/s   {over}   {v['inflight']:>2} x "
             f"{v['inflight_gbps']:6.2f} GB/s  {ratio}     {vs}{cpu}"
         )
+        if lim.get("memfd_gbps"):
+            lines.append(
+                f"  {'':>7}        1 in flight {lim['memfd_one_ratio']:.2f}x the streamed copy x{b['copy_threads']}"
+                f" between memfd mappings ({lim['memfd_gbps']:.2f} GB/s): the put's own pages"
+            )
         if lim.get("above_limit"):
             lines.append(f"  {'':>7}        {FLAG}")
             flagged += 1
