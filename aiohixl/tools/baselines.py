@@ -11,8 +11,8 @@ drives it:
   (one share for each of its threads and the calling thread, at least 1 MiB
   a share), the threads meeting after every copy, as a put completes when its
   last piece does. The honest limit of a threaded put.
-- streamed copy: the same two for sizes the copy engine streams (at least
-  ``STREAM_MIN``), with its streaming stores (``_native/core/stream.c``)
+- streamed copy: the same two for sizes the copy engine may stream (at least
+  ``STREAM_MIN``; it does above half the last-level cache), with its streaming stores (``_native/core/stream.c``)
   instead of glibc's memcpy, which streams only a single call above its own
   threshold (48 MiB on the development VM). A same-address-space put of that
   size is held to the fastest of the four.
@@ -69,7 +69,7 @@ KiB, MiB = 1 << 10, 1 << 20
 # calling thread, at least HX_COPY_PIECE_MIN (_native/internal.h) a share.
 COPY_THREADS = min(4, os.cpu_count() or 1) + 1
 COPY_PIECE_MIN = 1 * MiB
-STREAM_MIN = 4 * MiB  # HX_STREAM_MIN, _native/core/stream.h
+STREAM_MIN = 4 * MiB  # HX_STREAM_MIN, _native/core/stream.h: the least op that may stream
 STREAM_WRITE = 128 * KiB  # iperf3's default
 STREAM_WRITE_POLLING = 1 * MiB  # HX_TCP_CHUNK, _native/tcp.c
 RTT_REQUEST = 4 * KiB
@@ -255,6 +255,7 @@ def measure(
         "memcpy_threaded_gbps": {},
         "stream_gbps": {},
         "stream_threaded_gbps": {},
+        "memcpy_memfd_threaded_gbps": {},
         "stream_memfd_threaded_gbps": {},
         "shmem_enabled": shmem_thp(),
         "process_vm_writev_gbps": {},
@@ -289,11 +290,12 @@ def measure(
                     f"{kind} threaded {label}",
                     functools.partial(copy_gbps, kind, size, COPY_THREADS, copy_seconds),
                 )
-                if kind == "stream":  # the put's own pages: what the limit's huge pages are worth
+                if kind != "process_vm_writev" and size >= STREAM_MIN:
+                    # The put's own pages (memfd): what the limit's memory is worth.
                     copies(
-                        "stream_memfd_threaded_gbps",
+                        f"{kind}_memfd_threaded_gbps",
                         label,
-                        f"stream memfd threaded {label}",
+                        f"{kind} memfd threaded {label}",
                         functools.partial(copy_gbps, kind, size, COPY_THREADS, copy_seconds, True),
                     )
             step(f"{kind} {label}")
@@ -344,6 +346,7 @@ COPY_KEYS = (
     "memcpy_threaded_gbps",
     "stream_gbps",
     "stream_threaded_gbps",
+    "memcpy_memfd_threaded_gbps",
     "stream_memfd_threaded_gbps",
     "process_vm_writev_gbps",
     "process_vm_writev_threaded_gbps",
@@ -412,6 +415,7 @@ LIMIT_NAMES = {
     "memcpy_threaded_gbps": "memcpy x{t}",
     "stream_gbps": "streamed copy",
     "stream_threaded_gbps": "streamed copy x{t}",
+    "memcpy_memfd_threaded_gbps": "memcpy x{t} between memfds",
     "stream_memfd_threaded_gbps": "streamed copy x{t} between memfds",
     "process_vm_writev_gbps": "process_vm_writev",
     "process_vm_writev_threaded_gbps": "process_vm_writev x{t}",
