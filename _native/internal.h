@@ -183,10 +183,9 @@ struct hx_agent {
     hx_task *task_head, *task_tail;
     pthread_t *threads;
     uint32_t nthreads;
-    uint64_t stream_min; /* ops in one address space of this many bytes stream: hx_stream_min() */
-    uint32_t started;    /* threads that took their index (their CPU's) */
-    cpu_set_t cpus;      /* the CPUs the posting thread may use, as last seen */
-    uint32_t cpus_gen;   /* bumped when they change: each thread places itself anew */
+    uint32_t started;  /* threads that took their index (their CPU's) */
+    cpu_set_t cpus;    /* the CPUs the posting thread may use, as last seen */
+    uint32_t cpus_gen; /* bumped when they change: each thread places itself anew */
     bool closing;
     atomic_uint_fast64_t next_peer_id;
 

@@ -51,7 +51,7 @@ typedef struct {
  * per thread, at least min_piece bytes, 4 KiB multiples) and the threads
  * meet at a barrier after every copy, as a put completes when its last
  * piece does. stream: copy with the copy engine's streaming stores
- * (hx_copy_stream, its way for ops of hx_stream_min() and more) instead of
+ * (hx_copy_stream, its way for ops of HX_STREAM_MIN and more) instead of
  * glibc's memcpy, which streams only a single call above its own threshold.
  * memfd: both buffers are mappings of memfds instead, huge pages asked for
  * (MADV_HUGEPAGE) as aiohixl's allocate() asks: the pages a put between

@@ -1,5 +1,4 @@
 /* The agent's lifetime: its ring, pool, registry and transports. */
-#include "core/stream.h"
 #include "internal.h"
 #include <stdlib.h>
 #include <sys/epoll.h>
@@ -46,7 +45,6 @@ hx_agent *hx_agent_new(uint32_t ring_capacity, uint32_t copy_threads, int *statu
             return NULL;
         }
     }
-    a->stream_min = hx_stream_min();
     if (hx_pool_start(a, copy_threads) != HX_OK) {
         *status = HX_E_SYS;
         hx_agent_free(a);

@@ -286,7 +286,7 @@ static int run(hx_agent *a, copy_op *o, int pid, int opcode, const hx_sge *sges,
         total += sges[i].len;
     if (total <= (pid ? HX_INLINE_CMA_MAX : HX_INLINE_COPY_MAX) || (n == 1 && total <= HX_COPY_PIECE_MIN))
         return run_inline(o, pid, opcode, sges, n);
-    bool stream = !pid && !overlap && total >= a->stream_min;
+    bool stream = !pid && !overlap && total >= HX_STREAM_MIN;
     return run_on_pool(a, o, pid, opcode, sges, n, piece_size(total, a->nthreads, overlap), stream);
 }
 

@@ -8,46 +8,10 @@
  * (docs/bench-history.md, "Streaming stores"). SSE2 is in every x86-64 CPU; other
  * architectures use memcpy. */
 #include "core/stream.h"
-#include <stdio.h>
 #include <string.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
-
-/* The first line of a sysfs file; 0 when unreadable. */
-static int read_line(const char *path, char *buf, int len)
-{
-    FILE *f = fopen(path, "re");
-    if (!f)
-        return 0;
-    int ok = fgets(buf, len, f) != NULL;
-    fclose(f);
-    return ok;
-}
-
-/* Below the cache's size the destination is worth keeping there: ordinary
- * stores won on the 32 MiB L3 of the AMD EPYC measured here, 8 MiB puts at 1.7x
- * their streamed speed and 16 MiB at 1.02-1.05x, while 64 MiB streamed at 1.2x
- * (docs/shm.md). */
-uint64_t hx_stream_min(void)
-{
-    uint64_t llc = 0;
-    for (int i = 0; i < 16; i++) {
-        char path[80], line[32];
-        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/level", i);
-        if (!read_line(path, line, sizeof line))
-            break;
-        if (line[0] != '3')
-            continue;
-        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
-        unsigned long long n;
-        char unit = 0;
-        if (read_line(path, line, sizeof line) && sscanf(line, "%llu%c", &n, &unit) >= 1)
-            llc = (uint64_t)n << (unit == 'K' ? 10 : unit == 'M' ? 20 : unit == 'G' ? 30 : 0);
-    }
-    uint64_t half = llc / 2 + 1;
-    return half > HX_STREAM_MIN ? half : HX_STREAM_MIN;
-}
 
 void hx_copy_stream(uint8_t *dst, const uint8_t *src, uint64_t len)
 {

@@ -11,8 +11,8 @@ drives it:
   (one share for each of its threads and the calling thread, at least 1 MiB
   a share), the threads meeting after every copy, as a put completes when its
   last piece does. The honest limit of a threaded put.
-- streamed copy: the same two for sizes the copy engine may stream (at least
-  ``STREAM_MIN``; it does above half the last-level cache), with its streaming stores (``_native/core/stream.c``)
+- streamed copy: the same two for sizes the copy engine streams (at least
+  ``STREAM_MIN``), with its streaming stores (``_native/core/stream.c``)
   instead of glibc's memcpy, which streams only a single call above its own
   threshold (48 MiB on the development VM). A same-address-space put of that
   size is held to the fastest of the four.
@@ -69,7 +69,7 @@ KiB, MiB = 1 << 10, 1 << 20
 # calling thread, at least HX_COPY_PIECE_MIN (_native/internal.h) a share.
 COPY_THREADS = min(4, os.cpu_count() or 1) + 1
 COPY_PIECE_MIN = 1 * MiB
-STREAM_MIN = 4 * MiB  # HX_STREAM_MIN, _native/core/stream.h: the least op that may stream
+STREAM_MIN = 4 * MiB  # HX_STREAM_MIN, _native/core/stream.h
 STREAM_WRITE = 128 * KiB  # iperf3's default
 STREAM_WRITE_POLLING = 1 * MiB  # HX_TCP_CHUNK, _native/tcp.c
 RTT_REQUEST = 4 * KiB

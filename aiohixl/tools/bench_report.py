@@ -211,7 +211,7 @@ def render_baselines(b: dict[str, Any]) -> list[str]:
     lines.append(
         f"  (x{t}: each copy cut as the copy engine cuts a put, over its {t - 1} threads and the caller,"
         f" >= {b['copy_piece_min'] // MiB} MiB a share; - : one share, as above; streamed: the copy engine's"
-        " streaming stores, its way in one address space for ops over half the last-level cache, from 4 MiB)"
+        " streaming stores, its way from 4 MiB in one address space)"
     )
     memfd = {k: b.get(f"{k}_memfd_threaded_gbps") or {} for k in ("memcpy", "stream")}
     if any(v for m in memfd.values() for v in m.values()):
