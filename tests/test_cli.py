@@ -175,6 +175,8 @@ def test_bench_quick_writes_json(tmp_path):
             assert isinstance(row["limit"]["above_limit"], bool)
             if name in ("loopback", "shm") and size == "16 MiB":  # and the put's own pages' copy
                 assert row["limit"]["memfd_one_ratio"] > 0
+                # ... and the put and its limits timed in the same rounds.
+                assert all(v > 0 for v in row["beside"].values()) and "timed beside it" in proc.stdout
             if name == "tcp":
                 assert row["limit"]["baseline"] == "tcp_stream_gbps"
             elif size == "16 MiB":  # shared by the copy threads: the faster of threaded and single

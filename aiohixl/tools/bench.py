@@ -730,6 +730,14 @@ async def _notifications(
     return rows
 
 
+# The copies a same-host put from 4 MiB is compared with in its own rounds: (kind, between memfds).
+BESIDE_COPIES = {
+    "memcpy_threaded_gbps": ("memcpy", False),
+    "stream_threaded_gbps": ("stream", False),
+    "stream_memfd_threaded_gbps": ("stream", True),
+}
+
+
 async def _bandwidth_row(
     path: _Path, plan: Plan, size: int, max_size: int, spliced: tuple[Any, Any, Any] | None
 ) -> dict[str, Any]:
@@ -753,6 +761,11 @@ async def _bandwidth_row(
     # tcp: the blocking stream (row 6's limit) timed in the same rounds, each keeping its best.
     if tcp:
         row["stream_beside_gbps"] = 0.0
+    # Same-host copies the engine shares: the put 1 in flight and the copies it is held to, timed
+    # in the same rounds, each keeping its fastest: the host's speed moves between the passes.
+    copies_beside = PATH_OF[path.name] in ("loopback", "shm-memfd") and size >= baselines.STREAM_MIN
+    if copies_beside:
+        row["beside"] = dict.fromkeys(("one_gbps", *BESIDE_COPIES), 0.0)
     cpu_s = elapsed = 0.0
     seconds = plan.bw_seconds / ROUNDS
     for _ in range(ROUNDS):
@@ -764,6 +777,12 @@ async def _bandwidth_row(
             except OSError as exc:
                 row["stream_beside_error"] = str(exc)
                 row["stream_beside_gbps"] = None
+        if copies_beside:
+            beside = row["beside"]
+            beside["one_gbps"] = max(beside["one_gbps"], await bandwidth(peer, remote, local, size, 1, seconds))
+            for key, (kind, memfd) in BESIDE_COPIES.items():
+                fastest = baselines.copy_gbps(kind, size, baselines.COPY_THREADS, seconds, memfd)[0]
+                beside[key] = max(beside[key], fastest)
         one = await bandwidth(peer, remote, local, size, 1, seconds, depth)
         row["one_span_gbps"] = max(row["one_span_gbps"], one)
         cpu0 = target.cpu() if target else 0.0

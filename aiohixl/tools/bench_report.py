@@ -436,6 +436,17 @@ def _bandwidth(t: dict[str, Any], b: dict[str, Any]) -> tuple[list[str], int]:
             f"  {size:>7}        {v['one_gbps']:6.2f} GB/s   {over}   {v['inflight']:>2} x "
             f"{v['inflight_gbps']:6.2f} GB/s  {ratio}     {vs}{cpu}"
         )
+        beside = v.get("beside")
+        if beside and beside.get("one_gbps"):
+            limit = max(beside["memcpy_threaded_gbps"], beside["stream_threaded_gbps"])
+            name = "memcpy" if limit == beside["memcpy_threaded_gbps"] else "streamed copy"
+            lines.append(
+                f"  {'':>7}        1 in flight against its limits timed beside it, {ROUNDS} alternating rounds"
+                f" (the fastest of each): {beside['one_gbps']:.2f} GB/s / {name} x{b['copy_threads']}"
+                f" {limit:.2f} = {beside['one_gbps'] / limit:.2f}x; the streamed copy x{b['copy_threads']} between"
+                f" memfds {beside['stream_memfd_threaded_gbps']:.2f} GB/s"
+                f" ({beside['one_gbps'] / beside['stream_memfd_threaded_gbps']:.2f}x)"
+            )
         if lim.get("memfd_gbps"):
             lines.append(
                 f"  {'':>7}        1 in flight {lim['memfd_one_ratio']:.2f}x the"
