@@ -17,6 +17,7 @@ from aiohixl import Access
 from aiohixl import _testing as hooks
 from aiohixl.remote import RemoteRegion
 
+from . import threads
 from .conftest import random_bytes
 from .waiting import wait_until
 
@@ -328,20 +329,13 @@ async def test_idle_agent_does_not_spin():
 def _copy_threads() -> dict[str, set[int]]:
     """This process's copy threads and the CPUs each may run on."""
     found = {}
-    for task in os.scandir("/proc/self/task"):
-        try:
-            with open(f"{task.path}/comm") as f:
-                if f.read().strip() != "hixl-copy":
-                    continue
-            with open(f"{task.path}/status") as f:
-                allowed = next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list"))
-        except OSError:
-            continue  # the thread ended meanwhile
+    for tid, (status,) in threads.named("hixl-copy", "status").items():
+        allowed = next(line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
         cpus: set[int] = set()
         for part in allowed.split(","):
             lo, _, hi = part.partition("-")
             cpus.update(range(int(lo), int(hi or lo) + 1))
-        found[task.name] = cpus
+        found[tid] = cpus
     return found
 
 

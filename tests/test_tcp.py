@@ -25,6 +25,7 @@ from aiohixl._control.listener import Served
 from aiohixl._control.session import Session
 from aiohixl._loop.native import lib
 
+from . import threads
 from .harness import TOKEN, Target, pattern, sha, tcp_queues
 from .waiting import wait_until, wait_until_sync
 
@@ -799,22 +800,12 @@ def _io_threads() -> dict[str, tuple[float, int, str]]:
     state now (R: on a CPU or runnable; S: asleep). A polling thread never sleeps and is always
     R, however little CPU a busy machine gives it: a virtual CPU the host takes away counts
     its thread's time as neither run nor waited."""
-    threads = {}
-    for task in os.scandir("/proc/self/task"):
-        try:
-            with open(f"{task.path}/comm") as f:
-                if f.read().strip() != "hixl-tcp-io":
-                    continue
-            with open(f"{task.path}/schedstat") as f:
-                ran, waited = f.read().split()[:2]
-            with open(f"{task.path}/status") as f:
-                slept = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
-            with open(f"{task.path}/stat") as f:
-                state = f.read().rpartition(")")[2].split()[0]
-        except OSError:
-            continue  # the thread ended meanwhile
-        threads[task.name] = ((int(ran) + int(waited)) / 1e9, slept, state)
-    return threads
+    found = {}
+    for tid, (schedstat, status, stat) in threads.named("hixl-tcp-io", "schedstat", "status", "stat").items():
+        ran, waited = schedstat.split()[:2]
+        slept = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("voluntary_ctxt_switches"))
+        found[tid] = ((int(ran) + int(waited)) / 1e9, slept, stat.rpartition(")")[2].split()[0])
+    return found
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="needs Linux's schedstat")
