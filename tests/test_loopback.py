@@ -329,13 +329,11 @@ async def test_idle_agent_does_not_spin():
 def _copy_threads() -> dict[str, set[int]]:
     """This process's copy threads and the CPUs each may run on."""
     found = {}
-    for tid, (status,) in threads.named("hixl-copy", "status").items():
-        allowed = next(line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
-        cpus: set[int] = set()
-        for part in allowed.split(","):
-            lo, _, hi = part.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-        found[tid] = cpus
+    for tid in threads.named("hixl-copy"):
+        try:
+            found[tid] = os.sched_getaffinity(int(tid))
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile
     return found
 
 

@@ -151,7 +151,7 @@ def annotate(r: Results) -> int:
                 "inflight_ratio": many,
                 "above_limit": above,
             }
-            # Between allocated regions the put copies memfd pages: the same streamed copy
+            # Between allocated regions the put copies memfd pages: the faster of the same copies
             # between memfds parts the limit's memory (anonymous, huge pages) from the engine.
             same = [(k, b.get(k, {}).get(size)) for k in ("memcpy_memfd_threaded_gbps", "stream_memfd_threaded_gbps")]
             key_memfd, memfd = max(same, key=lambda kv: kv[1] or 0)
